@@ -1,0 +1,72 @@
+"""weightsync: move model weights from an RL trainer to its inference workers, exactly.
+
+The Python API in one place::
+
+    import weightsync
+    trainer = weightsync.TrainerActor.remote(make_model)
+    workers = [weightsync.WorkerActor.remote(make_model) for _ in range(2)]
+    with weightsync.WeightSync(trainer, workers) as ws:
+        report = ws.sync(version=1)
+
+Everything below the actors (spec, packing, transports, endpoints, sinks) imports no Ray
+and runs in one process; ``weightsync.actors`` and ``weightsync.coordinator`` load Ray on
+first use of the names that need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.endpoints import WeightReceiver, WeightSender, WorkerState
+from weightsync.packing import PackedChunk, pack_tensors, unpack_tensor
+from weightsync.sinks import LoadWeightsSink, ModuleSink
+from weightsync.spec import ALLOWED_DTYPES, Manifest, TensorSpec, WeightSyncError
+
+__version__ = "0.1.0"
+
+_RAY_NAMES = {
+    "TrainerActor": "weightsync.actors",
+    "WorkerActor": "weightsync.actors",
+    "TrainerMixin": "weightsync.actors",
+    "WorkerMixin": "weightsync.actors",
+    "WeightSync": "weightsync.coordinator",
+    "SyncReport": "weightsync.coordinator",
+    "SyncError": "weightsync.coordinator",
+    "SetupError": "weightsync.coordinator",
+    "VerificationError": "weightsync.coordinator",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _RAY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "LoadWeightsSink",
+    "Manifest",
+    "ModuleSink",
+    "PackedChunk",
+    "SetupError",
+    "SyncError",
+    "SyncReport",
+    "TensorSpec",
+    "TrainerActor",
+    "TrainerMixin",
+    "VerificationError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSync",
+    "WeightSyncError",
+    "WorkerActor",
+    "WorkerMixin",
+    "WorkerState",
+    "__version__",
+    "pack_tensors",
+    "unpack_tensor",
+]

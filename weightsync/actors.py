@@ -1,0 +1,372 @@
+"""Ray actors for the trainer and the workers, and the mixins they are made of.
+
+Real RLHF stacks already have their own trainer and inference actors: mix
+:class:`TrainerMixin` or :class:`WorkerMixin` into them (they need ``self.model``, or an
+override of ``weightsync_model()``) and hand the actor handles to
+:class:`~weightsync.coordinator.WeightSync`. The ``ws_*`` methods are the coordinator's
+protocol; they are public so the mixins work inside any actor, not for calling by hand.
+
+:class:`TrainerActor` and :class:`WorkerActor` are ready-made actors around a
+``model_factory``::
+
+    trainer = TrainerActor.remote(model_factory, device="cpu")
+    worker = WorkerActor.remote(model_factory, device="cpu")
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from torch import nn
+
+from weightsync.endpoints import WeightReceiver, WeightSender, WorkerState
+from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
+from weightsync.spec import Manifest, WeightSyncError
+from weightsync.transport.direct import DirectExport
+from weightsync.transport.gloo import GlooCommunicator, open_store
+from weightsync.transport.ipc import ChunkHandle, IpcExport
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    """Where an endpoint lives; the coordinator picks transports from this."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    device: str
+    gpu_uuid: str | None
+    sink_allows_direct: bool
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A broadcast group to join: rendezvous address, this rank, and the timeout."""
+
+    name: str
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+    backend: str
+    nccl_id: tuple[int, ...] | None = None
+
+
+@dataclass
+class ReceiveResult:
+    """A worker's answer to one sync call."""
+
+    worker: str
+    version: int | None
+    state: str
+    checksums: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
+    ctx = ray.get_runtime_context()
+    uuid = None
+    if device.type == "cuda":
+        from weightsync.transport.cuda_ipc import gpu_uuid
+
+        uuid = gpu_uuid(device.index or 0)
+    return EndpointInfo(
+        node_id=ctx.get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        device=device.type,
+        gpu_uuid=uuid,
+        sink_allows_direct=allows_direct,
+    )
+
+
+def _communicator(spec: GroupSpec, device: torch.device, store: Any = None) -> Any:
+    if spec.backend == "nccl":
+        from weightsync.transport.nccl import NcclCommunicator
+
+        assert spec.nccl_id is not None
+        return NcclCommunicator(spec.nccl_id, spec.rank, spec.world_size, device, spec.timeout_s)
+    return GlooCommunicator(
+        spec.store_host, spec.store_port, spec.rank, spec.world_size, spec.name,
+        spec.timeout_s, bind_host=spec.store_host, store=store,
+    )
+
+
+class TrainerMixin:
+    """Weight-sync methods for a trainer actor. Needs ``self.model`` (or override
+    ``weightsync_model``) and optionally ``self.device``."""
+
+    def weightsync_model(self) -> nn.Module:
+        return self.model  # type: ignore[attr-defined, no-any-return]
+
+    def weightsync_device(self) -> torch.device:
+        return _resolve_device(getattr(self, "device", "cpu"))
+
+    def _ws(self) -> WeightSender:
+        sender = getattr(self, "_ws_sender", None)
+        if sender is None:
+            sender = WeightSender(
+                model=self.weightsync_model(),
+                device=self.weightsync_device(),
+                wire_dtype=getattr(self, "wire_dtype", None),
+            )
+            self._ws_sender = sender
+        return sender
+
+    def ws_describe(self) -> EndpointInfo:
+        return _describe(self.weightsync_device(), True)
+
+    def ws_manifest(self, buffer_bytes: int, num_buffers: int, alignment: int) -> Manifest:
+        return self._ws().manifest(buffer_bytes, num_buffers, alignment)
+
+    def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> tuple[str, int]:
+        self._ws_store = open_store(host, 0, world_size, timeout_s)
+        return host, int(self._ws_store.port)
+
+    def ws_nccl_id(self) -> tuple[int, ...]:
+        from weightsync.transport.nccl import make_unique_id
+
+        return make_unique_id()
+
+    def ws_join_broadcast(self, spec: GroupSpec) -> None:
+        comm = _communicator(spec, self.weightsync_device(), getattr(self, "_ws_store", None))
+        self._ws().open_broadcast(comm, spec.timeout_s)
+
+    def ws_export_ipc(self, consumer_names: list[str], timeout_s: float) -> IpcExport:
+        return self._ws().export_ipc(consumer_names, timeout_s)
+
+    def ws_seal_ipc(self) -> None:
+        if self._ws().ipc is not None:
+            self._ws().ipc.seal()  # type: ignore[union-attr]
+
+    def ws_map_direct(self, export: DirectExport, timeout_s: float) -> None:
+        self._ws().map_direct(export, timeout_s)
+
+    def ws_send(
+        self,
+        broadcast: bool,
+        ipc_consumers: list[int],
+        sync_seq: int,
+        direct: list[tuple[str, DirectExport | None]],
+        verify: bool,
+    ) -> dict[str, Any]:
+        """One sync on the trainer: direct writes, then IPC, then the broadcast."""
+        sender = self._ws()
+        start = time.perf_counter()
+        out: dict[str, Any] = {"broadcast": [], "ipc": []}
+        for worker, export in direct:
+            sender.write_direct(worker, export)
+        if ipc_consumers:
+            out["ipc"] = sender.send_ipc(sync_seq, ipc_consumers, verify)
+        if broadcast:
+            out["broadcast"] = sender.send_broadcast(verify)
+        out["seconds"] = time.perf_counter() - start
+        return out
+
+    def ws_pack_ipc_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
+        return self._ws().pack_ipc_chunk(chunk_index, slot)
+
+    def ws_teardown(self, abort: bool = False) -> None:
+        sender = getattr(self, "_ws_sender", None)
+        if sender is not None:
+            sender.close_transports(abort)
+        self._ws_store = None
+
+    def ws_digest(self) -> str:
+        return self._ws().digest()
+
+    def ws_forget_direct(self, worker: str) -> None:
+        if self._ws().direct is not None:
+            self._ws().direct.forget(worker)  # type: ignore[union-attr]
+
+
+class WorkerMixin:
+    """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
+    ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way."""
+
+    def weightsync_model(self) -> nn.Module:
+        return self.model  # type: ignore[attr-defined, no-any-return]
+
+    def weightsync_device(self) -> torch.device:
+        return _resolve_device(getattr(self, "device", "cpu"))
+
+    def _wr(self, name: str | None = None) -> WeightReceiver:
+        receiver = getattr(self, "_ws_receiver", None)
+        if receiver is None:
+            sink: Sink | None = getattr(self, "weightsync_sink", None)
+            receiver = WeightReceiver(
+                sink if sink is not None else ModuleSink(self.weightsync_model()),
+                self.weightsync_device(),
+                name or "worker",
+                getattr(self, "expect_buffer_bytes", None),
+                getattr(self, "expect_num_buffers", None),
+            )
+            self._ws_receiver = receiver
+        if name is not None:
+            receiver.name = name
+        return receiver
+
+    def ws_describe(self) -> EndpointInfo:
+        sink = getattr(self, "weightsync_sink", None)
+        return _describe(self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+
+    def ws_accept(self, manifest: Manifest, name: str) -> None:
+        self._wr(name).accept(manifest)
+
+    def ws_join_broadcast(self, spec: GroupSpec) -> None:
+        self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), spec.timeout_s)
+
+    def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> None:
+        self._wr().attach_ipc(export, index, timeout_s)
+
+    def ws_export_direct(self) -> DirectExport:
+        return self._wr().export_direct()
+
+    def ws_seal_direct(self) -> None:
+        receiver = self._wr()
+        if receiver.direct is not None:
+            receiver.direct.seal()
+
+    def _result(self, checksums: list[int], start: float) -> ReceiveResult:
+        r = self._wr()
+        return ReceiveResult(r.name, r.version, r.state.value, checksums, time.perf_counter() - start)
+
+    def _receive(self, version: int, verify: bool, force: bool, body: Callable[[], list[int]]) -> ReceiveResult:
+        receiver = self._wr()
+        start = time.perf_counter()
+        receiver.begin(version, force)
+        try:
+            checksums = body()
+        except BaseException:
+            receiver.fail()
+            raise
+        if not verify:
+            receiver.commit(version)
+        return self._result(checksums, start)
+
+    def ws_receive_broadcast(self, version: int, verify: bool, force: bool = False) -> ReceiveResult:
+        return self._receive(version, verify, force, lambda: self._wr().receive_broadcast(verify))
+
+    def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> ReceiveResult:
+        return self._receive(version, verify, force, lambda: self._wr().receive_ipc(sync_seq, verify))
+
+    def ws_consume_ipc_chunk(self, handle: ChunkHandle) -> None:
+        self._wr().consume_ipc_chunk(handle)
+
+    def ws_begin_direct(self, version: int, force: bool = False) -> DirectExport | None:
+        """Enter RECEIVING for a direct write; returns a fresh export if storage moved."""
+        receiver = self._wr()
+        receiver.begin(version, force)
+        try:
+            return receiver.refresh_direct()
+        except BaseException:
+            receiver.fail()
+            raise
+
+    def ws_commit(self, version: int) -> ReceiveResult:
+        self._wr().commit(version)
+        return self._result([], time.perf_counter())
+
+    def ws_mark_dirty(self) -> None:
+        receiver = self._wr()
+        if receiver.state is not WorkerState.COMMITTED or receiver.direct is not None:
+            receiver.fail()
+
+    def ws_status(self) -> tuple[int | None, str]:
+        return self._wr().status()
+
+    def ws_teardown(self, abort: bool = False) -> None:
+        receiver = getattr(self, "_ws_receiver", None)
+        if receiver is not None:
+            receiver.close_transports(abort)
+
+    def ws_digest(self) -> str:
+        return self._wr().digest()
+
+    def ws_debug_corrupt_next(self, chunk_index: int, byte: int = 0) -> None:
+        """Fault injection for tests: flip one bit of ``chunk_index``'s received bytes."""
+        receiver = self._wr()
+        original = receiver.unpacker
+
+        def corrupting_unpacker() -> Any:
+            unpacker = original()
+            inner = unpacker.unpack
+
+            def unpack(chunk: Any, buffer: torch.Tensor) -> Any:
+                if chunk.index == chunk_index:
+                    buffer[byte] ^= 1
+                return inner(chunk, buffer)
+
+            unpacker.unpack = unpack  # type: ignore[method-assign]
+            return unpacker
+
+        receiver.unpacker = corrupting_unpacker  # type: ignore[method-assign]
+
+
+class _ModelHost:
+    """Shared body of the ready-made actors: builds the model and runs ``call``."""
+
+    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu", **options: Any) -> None:
+        self.device = _resolve_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model = model_factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_factory must return an nn.Module, got {type(model).__name__}")
+        self.model = model.to(self.device)
+        for key, value in options.items():
+            setattr(self, key, value)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(model, *args, **kwargs)`` here and return its result."""
+        return fn(self.model, *args, **kwargs)
+
+    def digest(self) -> str:
+        return self.ws_digest()  # type: ignore[attr-defined, no-any-return]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class _Trainer(_ModelHost, TrainerMixin):
+    """Holds the policy being trained. Options: ``wire_dtype`` (e.g. torch.bfloat16)."""
+
+
+class _Worker(_ModelHost, WorkerMixin):
+    """Holds an inference copy. Options: ``sink="load_weights"`` to load through the
+    model's ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` to pin
+    the buffer settings this worker accepts."""
+
+    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu", sink: str = "module", **options: Any) -> None:
+        super().__init__(model_factory, device, **options)
+        if sink == "load_weights":
+            load = getattr(self.model, "load_weights", None)
+            if load is None:
+                raise WeightSyncError("sink='load_weights' needs a model with a load_weights method")
+            self.weightsync_sink = LoadWeightsSink(load)
+        elif sink != "module":
+            raise ValueError(f"sink must be 'module' or 'load_weights', got {sink!r}")
+
+    def version(self) -> tuple[int | None, str]:
+        return self.ws_status()
+
+
+TrainerActor = ray.remote(_Trainer)
+WorkerActor = ray.remote(_Worker)

@@ -1,0 +1,42 @@
+"""Starting or joining Ray for the command line and the examples.
+
+An embedded cluster is kept on loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` must be
+set before Ray starts, or Ray binds the machine's network address. It is set only for a
+cluster this process starts, never when joining one (``--address``, or ``RAY_ADDRESS`` as
+set by ``ray job submit``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:
+    """Join ``address`` (or ``$RAY_ADDRESS``), else start a local loopback cluster.
+
+    Returns what happened, for the caller to print. Workers get this source tree on their
+    ``PYTHONPATH`` so ``python -m weightsync`` works from a checkout without installing.
+    """
+    if ray.is_initialized():
+        return {"mode": "already connected"}
+    address = address or os.environ.get("RAY_ADDRESS")
+    path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        return {"mode": "joined", "address": address}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "runtime_env": runtime_env, "log_to_driver": False}
+    if num_cpus is not None:
+        kwargs["num_cpus"] = num_cpus
+    if num_gpus is not None:
+        kwargs["num_gpus"] = num_gpus
+    ray.init(**kwargs)
+    return {"mode": "started", "address": "local"}

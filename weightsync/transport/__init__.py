@@ -1,0 +1,1 @@
+"""Transports: one module per mechanism, none of them importing Ray."""

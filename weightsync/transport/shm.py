@@ -1,0 +1,102 @@
+"""CPU export over POSIX shared memory: a ``/dev/shm`` file mapped by both processes.
+
+``torch.from_file(path, shared=True)`` in each process is the simplest export that works
+between Ray actors (torch's ``file_descriptor`` sharing strategy needs an authkey they do
+not share). The producer creates the file; consumers map it once. Once every consumer has
+mapped it, :meth:`ShmRegion.unlink` removes the name while the mappings stay valid, so
+nothing is left in ``/dev/shm`` even if a process is killed later.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.spec import WeightSyncError
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "weightsync-"
+
+
+class ExportNotFound(WeightSyncError, FileNotFoundError):
+    """An export handle names a region that no longer exists (or is on another host)."""
+
+
+@dataclass(frozen=True)
+class ShmHandle:
+    """A shared-memory region as it crosses a process boundary."""
+
+    path: str
+    nbytes: int
+    hostname: str
+    session: str
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class ShmRegion:
+    """A producer-owned ``/dev/shm`` region of ``nbytes`` bytes, created and mapped once."""
+
+    def __init__(self, nbytes: int, tag: str = "buf", directory: str = SHM_DIR) -> None:
+        self.session = uuid.uuid4().hex[:16]
+        self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{self.session}-{tag}")
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        self.nbytes = nbytes
+        self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+
+    def handle(self) -> ShmHandle:
+        return ShmHandle(self.path, self.nbytes, socket.gethostname(), self.session)
+
+    def unlink(self) -> None:
+        """Remove the name; existing mappings (ours and consumers') stay valid."""
+        self._finalizer()
+
+    def close(self) -> None:
+        self.unlink()
+        del self.tensor
+
+
+def map_shm(handle: ShmHandle) -> torch.Tensor:
+    """Map a producer's region in this process (the caller keeps it for the session)."""
+    if handle.hostname != socket.gethostname():
+        raise ExportNotFound(
+            f"shared-memory export {handle.path} lives on host {handle.hostname!r}, this is "
+            f"{socket.gethostname()!r}: the ipc transport needs trainer and worker on one node "
+            "(use transport='broadcast' across nodes)"
+        )
+    if not os.path.exists(handle.path):
+        raise ExportNotFound(
+            f"shared-memory export {handle.path} (session {handle.session}) does not exist: "
+            "it was closed, or belongs to a previous session; run WeightSync.setup() again"
+        )
+    size = max(handle.nbytes, 1)
+    actual = os.path.getsize(handle.path)
+    if actual < size:
+        raise ExportNotFound(
+            f"shared-memory export {handle.path} holds {actual} bytes, the handle says "
+            f"{handle.nbytes}: a stale or foreign handle"
+        )
+    return torch.from_file(handle.path, shared=True, size=size, dtype=torch.uint8)[: handle.nbytes]
+
+
+def leftover_segments(directory: str = SHM_DIR) -> list[str]:
+    """Names of weightsync regions in ``directory`` (for tests and ``doctor``)."""
+    try:
+        return sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
+    except FileNotFoundError:
+        return []
