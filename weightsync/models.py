@@ -86,6 +86,7 @@ def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyP
     with torch.device("meta"):
         model = TinyPolicy(cfg)
     model = model.to_empty(device=device).to(getattr(torch, cfg.dtype))
+    model.head.weight = model.embed.weight  # to_empty gives each module its own tensor
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

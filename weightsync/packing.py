@@ -243,7 +243,7 @@ def pack_tensors(
     for tensor in held:
         n = tensor.numel() * tensor.element_size()
         if n:
-            packed[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            packed[offset : offset + n].copy_(as_bytes(tensor.contiguous()))
         offset += n
     return PackedChunk(packed, names, shapes, dtypes, sizes)
 

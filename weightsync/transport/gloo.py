@@ -14,7 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from weightsync.spec import WeightSyncError
 from weightsync.transport.streams import TransferTimeout
+
+
+class TransferError(WeightSyncError):
+    """A collective failed because a peer went away."""
 
 
 def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -47,7 +52,9 @@ class _GlooWork:
                     f"{self._timeout_s:.1f}s; a peer is dead or stuck (raise timeout_s for "
                     f"slow links): {exc}"
                 ) from exc
-            raise
+            raise TransferError(
+                f"rank {self._rank}: gloo broadcast failed, a peer left the group or crashed: {exc}"
+            ) from exc
 
 
 class GlooCommunicator:

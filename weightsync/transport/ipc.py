@@ -43,7 +43,10 @@ from weightsync.transport.streams import SlotStreams, TransferTimeout, wait_for_
 RegionHandle = ShmHandle | CudaIpcHandle
 
 _MAGIC = 0x5753594E43  # "WSYNC"
-_ABORT, _PUBLISHED, _FIRST_CONSUMER = 1, 2, 3
+# Control block words: magic, abort code (1 = producer, 2 + i = consumer i), chunks
+# published, the chunk the producer is waiting to write (0 when not waiting), then one
+# acknowledged-count per consumer, then one checksum per slot.
+_ABORT, _PUBLISHED, _WAITING, _FIRST_CONSUMER = 1, 2, 3, 4
 
 
 class PeerAborted(WeightSyncError):
@@ -250,7 +253,10 @@ class IpcSender:
                 def slot_free() -> bool:
                     return all(int(control[_FIRST_CONSUMER + c]) >= need for c in consumers)
 
-                _wait(slot_free, deadline, control, self.name, f"workers to release slot {slot} (chunk {chunk.index})", names)
+                if not slot_free():
+                    control[_WAITING] = g + 1
+                    _wait(slot_free, deadline, control, self.name, f"workers to release slot {slot} (chunk {chunk.index})", names)
+                    control[_WAITING] = 0
                 handle = self.pack(chunk.index, slot, sources, verify)
                 if verify:
                     assert handle.checksum is not None
@@ -310,6 +316,11 @@ class IpcReceiver:
         self._control_np = control.numpy()
         self._export = export
         self._index = consumer_index
+
+    def progress(self) -> tuple[int, int]:
+        """(chunks published, chunk the producer waits to write or 0): for instrumentation."""
+        assert self._control_np is not None
+        return int(self._control_np[_PUBLISHED]), int(self._control_np[_WAITING])
 
     def _slot(self, slot: int) -> torch.Tensor:
         assert self._slots is not None

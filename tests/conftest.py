@@ -1,0 +1,98 @@
+"""Shared fixtures: one loopback Ray cluster per session, actor cleanup, GPU markers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+# Before Ray or gloo start: keep every connection on 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+import pytest
+import torch
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+RAY_TIMEOUT = 120.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "cuda" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 or more GPUs, {gpus} visible"))
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"}},
+    )
+    yield
+    ray.shutdown()
+
+
+class ActorPool:
+    """Records the actors a test starts; kills them all at teardown and checks they died."""
+
+    def __init__(self) -> None:
+        self.handles: list[object] = []
+
+    def add(self, handle: object) -> object:
+        self.handles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        """Kill every recorded actor and wait (bounded) until each one's process is gone."""
+        import ray
+
+        pids = []
+        for handle in self.handles:
+            try:
+                pids.append(ray.get(handle.pid.remote(), timeout=RAY_TIMEOUT))
+            except ray.exceptions.RayActorError:
+                pass  # already dead: the test killed it on purpose
+            ray.kill(handle)
+        deadline = time.monotonic() + RAY_TIMEOUT
+        alive = set(pids)
+        while alive and time.monotonic() < deadline:
+            alive = {pid for pid in alive if _exists(pid)}
+            time.sleep(0.05)
+        assert not alive, f"actor processes still alive after ray.kill: {sorted(alive)}"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def actors(ray_session: None) -> Iterator[ActorPool]:
+    pool = ActorPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def no_shm_leftovers() -> Iterator[None]:
+    from weightsync.transport.shm import leftover_segments
+
+    before = set(leftover_segments())
+    yield
+    left = set(leftover_segments()) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"

@@ -1,0 +1,75 @@
+"""Test data and comparisons: random bits for every dtype, bit-for-bit equality."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weightsync.sinks import module_tensors
+from weightsync.spec import ALLOWED_DTYPES
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values of ``dtype`` (random bit patterns for integer, bool and fp8 types)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return torch.randn(shape, generator=gen).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """Same dtype, same shape, same bytes (fp8 NaN patterns included)."""
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(bits(actual), bits(expected)), f"{name}: bytes differ"
+
+
+def assert_models_equal(a: nn.Module, b: nn.Module) -> None:
+    ta, tb = dict(module_tensors(a)), dict(module_tensors(b))
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert_bit_equal(tb[name], ta[name], name)
+
+
+def all_dtypes() -> list[torch.dtype]:
+    return list(ALLOWED_DTYPES.values())
+
+
+class MixedModel(nn.Module):
+    """Awkward layouts: odd-sized fp16 followed by fp32, several dtypes, a 0-d buffer."""
+
+    def __init__(self, seed: int = 0, big: int = 3000) -> None:
+        super().__init__()
+        self.odd = nn.Parameter(random_tensor((3, 5), torch.float16, seed))
+        self.after_odd = nn.Parameter(random_tensor((7,), torch.float32, seed + 1))
+        self.big = nn.Parameter(random_tensor((big, 4), torch.bfloat16, seed + 2))
+        self.linear = nn.Linear(6, 10)
+        with torch.no_grad():
+            self.linear.weight.copy_(random_tensor((10, 6), torch.float32, seed + 3))
+            self.linear.bias.copy_(random_tensor((10,), torch.float32, seed + 4))
+        self.register_buffer("step", random_tensor((), torch.int64, seed + 5))
+        self.register_buffer("mask", random_tensor((9, 3), torch.bool, seed + 6))
+        self.register_buffer("empty", torch.empty(0, 4))
+        self.register_buffer("scratch", torch.zeros(4), persistent=False)
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Run inside an actor: a CPU copy of every synced tensor."""
+    return {name: t.detach().cpu().clone() for name, t in module_tensors(model)}
+
+
+def perturb(model: nn.Module, seed: int) -> None:
+    """Run inside an actor: change every tensor to new random bits (a stand-in for training)."""
+    with torch.no_grad():
+        for i, (name, tensor) in enumerate(module_tensors(model)):
+            tensor.copy_(random_tensor(tuple(tensor.shape), tensor.dtype, seed * 1000 + i).to(tensor.device))

@@ -1,0 +1,134 @@
+"""Bodies of the child processes used by the multi-process transport tests.
+
+Each side rebuilds the expected tensors from a seed, so children check bit-exactness
+themselves and report plain values back through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import torch
+
+from tests.helpers import random_tensor
+from weightsync.endpoints import WeightReceiver, WeightSender
+from weightsync.packing import ChunkUnpacker
+from weightsync.sinks import LoadWeightsSink
+from weightsync.spec import Manifest
+from weightsync.transport.gloo import GlooCommunicator
+
+LAYOUT = [
+    ("embed", (300, 40), torch.bfloat16),  # 24000 bytes: split across 8 KiB buffers
+    ("odd_half", (3, 5), torch.float16),
+    ("after_odd", (7,), torch.float32),
+    ("mask", (9, 3), torch.bool),
+    ("scalar", (), torch.int64),
+    ("empty", (0, 4), torch.float32),
+    ("proj", (64, 48), torch.float32),
+    ("fp8", (33,), torch.float8_e4m3fn),
+]
+
+
+def model_tensors(seed: int) -> dict[str, torch.Tensor]:
+    return {name: random_tensor(shape, dtype, seed * 100 + i) for i, (name, shape, dtype) in enumerate(LAYOUT)}
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        for name, tensor in model_tensors(seed).items():
+            self.register_buffer(name, tensor.clone())
+
+    def load(self, seed: int) -> None:
+        for name, tensor in model_tensors(seed).items():
+            getattr(self, name).copy_(tensor)
+
+    def matches(self, seed: int) -> bool:
+        return all(
+            torch.equal(getattr(self, n).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            for n, t in model_tensors(seed).items()
+        )
+
+
+def gloo_rank(rank: int, port: int, world: int, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any) -> None:
+    """A receiver rank: joins the group, receives one sync per seed, reports matches."""
+    try:
+        receiver = WeightReceiver(Holder(seed=999), name=f"rank-{rank}")
+        manifest = Manifest.build(WeightSender(Holder(0)).specs(), buffer_bytes, num_buffers)
+        receiver.accept(manifest)
+        comm = GlooCommunicator("127.0.0.1", port, rank, world, "test-group", 30.0)
+        receiver.open_broadcast(comm, 30.0)
+        results = []
+        for seed in seeds:
+            receiver.receive_broadcast()
+            results.append(receiver.sink.module.matches(seed))  # type: ignore[attr-defined]
+        receiver.close_transports()
+        queue.put((rank, results, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def ipc_consumer(export: Any, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any, check_slots: bool) -> None:
+    """Consumer of an IPC export, one sync per seed.
+
+    With ``check_slots`` its sink proves no slot is rewritten while it reads. Holding chunk
+    g (views into the slot), it waits until the producer has gone as far as it may: blocked
+    waiting to write chunk g + num_buffers into this slot, or finished the sync, or (the
+    bug) published chunk g + num_buffers. Then it checks the views still hold chunk g.
+    Only events end the wait, never time, so the check is deterministic.
+    """
+    try:
+        manifest = Manifest.build(WeightSender(Holder(0)).specs(), buffer_bytes, num_buffers)
+        nchunks = len(manifest.chunks)
+        holder = Holder(seed=999)
+        state = {"rewritten": 0, "g": 0, "sync": 0}
+        receiver: WeightReceiver
+
+        def load(items: Any) -> None:
+            items = list(items)
+            if check_slots:
+                snapshot = [t.clone() for _, t in items]
+                ipc = receiver.ipc
+                assert ipc is not None
+                g = state["g"]
+                end_of_sync = (state["sync"] + 1) * nchunks
+                while True:
+                    published, waiting = ipc.progress()
+                    if waiting == g + num_buffers + 1 or published > g + num_buffers or published == end_of_sync:
+                        break
+                if any(not torch.equal(a, b) for (_, a), b in zip(items, snapshot)):
+                    state["rewritten"] += 1
+            for name, tensor in items:
+                getattr(holder, name).copy_(tensor)
+
+        receiver = WeightReceiver(LoadWeightsSink(load), name="consumer")
+        receiver.accept(manifest)
+        receiver.attach_ipc(export, 0, 30.0)
+        unpack = receiver.unpacker
+
+        def counting_unpacker() -> ChunkUnpacker:
+            unpacker = unpack()
+            inner = unpacker.unpack
+
+            def wrapped(chunk: Any, buffer: torch.Tensor) -> Any:
+                state["g"] = state["sync"] * nchunks + chunk.index
+                return inner(chunk, buffer)
+
+            unpacker.unpack = wrapped  # type: ignore[method-assign]
+            return unpacker
+
+        receiver.unpacker = counting_unpacker  # type: ignore[method-assign]
+        results = []
+        for sync, seed in enumerate(seeds):
+            state["sync"] = sync
+            receiver.receive_ipc(sync)
+            results.append(holder.matches(seed))
+        importer = receiver.ipc.importer  # type: ignore[union-attr]
+        receiver.close_transports()
+        queue.put((results, state["rewritten"], importer.maps, importer.releases, None))
+    except BaseException:
+        queue.put((None, None, None, None, traceback.format_exc()))

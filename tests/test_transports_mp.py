@@ -1,0 +1,191 @@
+"""Real transports between real processes: gloo over loopback, shared-memory IPC."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from tests.procs import Holder, gloo_rank, ipc_consumer
+from weightsync.endpoints import WeightSender
+from weightsync.spec import Manifest
+from weightsync.transport.broadcast import BroadcastSender
+from weightsync.transport.gloo import GlooCommunicator, open_store
+from weightsync.transport.shm import leftover_segments
+
+CTX = mp.get_context("spawn")
+SEEDS = [11, 12, 13]
+
+
+def collect(queue, count: int, timeout: float = 120.0) -> list:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(count):
+        item = queue.get(timeout=timeout)
+        assert item[-1] is None, f"child failed:\n{item[-1]}"
+        out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+def test_gloo_broadcast_to_two_receivers_over_loopback_is_bit_exact(num_buffers: int) -> None:
+    buffer_bytes = 8192
+    world = 3
+    store = open_store("127.0.0.1", 0, world, 30.0)
+    queue = CTX.Queue()
+    children = [
+        CTX.Process(target=gloo_rank, args=(rank, store.port, world, buffer_bytes, num_buffers, SEEDS, queue))
+        for rank in (1, 2)
+    ]
+    for child in children:
+        child.start()
+    try:
+        model = Holder(seed=0)
+        sender = WeightSender(model)
+        manifest = sender.manifest(buffer_bytes, num_buffers)
+        assert len(manifest.chunks) >= 4
+        sender.open_broadcast(GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store), 30.0)
+        assert sender.broadcast is not None
+        first_buffers = None
+        for seed in SEEDS:
+            model.load(seed)
+            sender.send_broadcast()
+            buffers = [b.data_ptr() for b in sender.broadcast.buffers()]
+            first_buffers = first_buffers or buffers
+            assert buffers == first_buffers, "buffers must be allocated once and reused"
+        results = collect(queue, 2)
+        assert sorted(r[0] for r in results) == [1, 2]
+        for _, matches, _ in results:
+            assert matches == [True] * len(SEEDS)
+        sender.close_transports()
+    finally:
+        for child in children:
+            child.join(timeout=60)
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, no_shm_leftovers: None) -> None:
+    buffer_bytes = 8192
+    model = Holder(seed=0)
+    sender = WeightSender(model)
+    manifest = sender.manifest(buffer_bytes, num_buffers)
+    assert len(manifest.chunks) > num_buffers
+    export = sender.export_ipc(["consumer"], 30.0)
+    queue = CTX.Queue()
+    child = CTX.Process(target=ipc_consumer, args=(export, buffer_bytes, num_buffers, SEEDS, queue, True))
+    child.start()
+    try:
+        for sync, seed in enumerate(SEEDS):
+            model.load(seed)
+            sender.send_ipc(sync, [0])
+        [(matches, rewritten, maps, releases, _)] = collect(queue, 1)
+        assert matches == [True] * len(SEEDS)
+        assert rewritten == 0
+        # One mapping of the slots and one of the control block, each released once.
+        assert (maps, releases) == (2, 2)
+    finally:
+        child.join(timeout=60)
+        sender.close_transports()
+    assert not any(export.session in name for name in leftover_segments())
+
+
+def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None) -> None:
+    """Break the producer on purpose (never wait for the slot): the same check must fire."""
+    import weightsync.transport.ipc as ipc
+
+    def no_wait(predicate, deadline, control, me, what, names):  # type: ignore[no-untyped-def]
+        if "release slot" in what:
+            return
+        return original(predicate, deadline, control, me, what, names)
+
+    original = ipc._wait
+    monkeypatch.setattr(ipc, "_wait", no_wait)
+    model = Holder(seed=0)
+    sender = WeightSender(model)
+    sender.manifest(8192, 1)
+    export = sender.export_ipc(["consumer"], 30.0)
+    queue = CTX.Queue()
+    child = CTX.Process(target=ipc_consumer, args=(export, 8192, 1, SEEDS[:1], queue, True))
+    child.start()
+    try:
+        model.load(SEEDS[0])
+        sender.send_ipc(0, [0])
+        [(_, rewritten, _, _, _)] = collect(queue, 1)
+        assert rewritten > 0
+    finally:
+        child.join(timeout=60)
+        sender.close_transports()
+
+
+class RecordingComm:
+    """A fake communicator whose work checks, when waited on, that the buffer it was given
+    still holds the bytes it had when the broadcast started."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.device = 0, 2, torch.device("cpu")
+        self.started = 0
+        self.waited = 0
+        self.torn = 0
+        self.aborted = False
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> object:
+        self.started += 1
+        comm = self
+        snapshot = tensor.clone()
+
+        class Work:
+            def wait(self, deadline: float) -> None:
+                comm.waited += 1
+                if not torch.equal(tensor, snapshot):
+                    comm.torn += 1
+
+        return Work()
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+def test_producer_keeps_in_flight_chunks_intact_and_drains_before_returning(num_buffers: int) -> None:
+    # NeMo-RL #3055 tore weights by returning before the last sends finished.
+    model = Holder(seed=0)
+    manifest = WeightSender(model).manifest(8192, num_buffers)
+    comm = RecordingComm()
+    sender = BroadcastSender(comm, manifest, 30.0)
+    sources = [t for _, t in WeightSender(model).named_tensors()]
+    sender.send(sources)
+    assert comm.started == len(manifest.chunks)
+    assert comm.waited == comm.started, "every broadcast must be waited for before send returns"
+    assert comm.torn == 0
+
+
+def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
+    store = open_store("127.0.0.1", 0, 2, 5.0)
+    queue = CTX.Queue()
+    # A peer that joins the group and then never receives.
+    child = CTX.Process(target=_join_and_idle, args=(store.port, queue))
+    child.start()
+    try:
+        comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "idle", 2.0, store=store)
+        model = Holder(seed=0)
+        sender = BroadcastSender(comm, Manifest.build(WeightSender(model).specs(), 8192, 2), 1.0)
+        t0 = time.monotonic()
+        sources = [t for _, t in WeightSender(model).named_tensors()]
+        with pytest.raises(Exception) as info:
+            sender.send(sources)
+        text = str(info.value)
+        assert "rank 0" in text and "timeout_s" in text, text
+        assert time.monotonic() - t0 < 60  # bounded by the timeout, not a hang
+    finally:
+        queue.put("done")
+        child.join(timeout=60)
+
+
+def _join_and_idle(port: int, queue) -> None:  # type: ignore[no-untyped-def]
+    comm = GlooCommunicator("127.0.0.1", port, 1, 2, "idle", 2.0)
+    queue.get(timeout=120)
+    comm.close()
