@@ -95,7 +95,7 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(monkeypatch
     import weightsync.transport.ipc as ipc
 
     def no_wait(predicate, deadline, control, me, what, names):  # type: ignore[no-untyped-def]
-        if "release slot" in what:
+        if "release slot" in what():
             return
         return original(predicate, deadline, control, me, what, names)
 

@@ -257,8 +257,8 @@ class WorkerMixin:
         except BaseException:
             receiver.fail()
             raise
-        if not verify:
-            receiver.commit(version)
+        # Stays RECEIVING: the coordinator commits only once the trainer's side succeeded
+        # too (a collective can return on a receiver whose sender died).
         return self._result(checksums, start)
 
     def ws_receive_broadcast(self, version: int, verify: bool, force: bool = False) -> ReceiveResult:
@@ -286,7 +286,7 @@ class WorkerMixin:
 
     def ws_mark_dirty(self) -> None:
         receiver = self._wr()
-        if receiver.state is not WorkerState.COMMITTED or receiver.direct is not None:
+        if receiver.state is not WorkerState.COMMITTED:
             receiver.fail()
 
     def ws_status(self) -> tuple[int | None, str]:
@@ -301,7 +301,7 @@ class WorkerMixin:
         return self._wr().digest()
 
     def ws_debug_corrupt_next(self, chunk_index: int, byte: int = 0) -> None:
-        """Fault injection for tests: flip one bit of ``chunk_index``'s received bytes."""
+        """Fault injection for tests: flip one bit of ``chunk_index``'s received bytes, once."""
         receiver = self._wr()
         original = receiver.unpacker
 
@@ -312,6 +312,7 @@ class WorkerMixin:
             def unpack(chunk: Any, buffer: torch.Tensor) -> Any:
                 if chunk.index == chunk_index:
                     buffer[byte] ^= 1
+                    receiver.unpacker = original  # type: ignore[method-assign]
                 return inner(chunk, buffer)
 
             unpacker.unpack = unpack  # type: ignore[method-assign]

@@ -12,8 +12,9 @@ Per sync, each side gets one Ray call, all started together and awaited with one
 wait: the trainer's ``ws_send`` (direct writes, then the IPC chunks, then the broadcast)
 and each worker's receive. IPC slot hand-offs run inside those calls through a shared
 control block, so no Ray round trip happens per chunk. Direct workers are bracketed: told
-first (they enter RECEIVING and re-export if their storage moved), then written, then
-committed.
+first (they enter RECEIVING and re-export if their storage moved), then written. Every
+worker commits its new version in a last, parallel call made only after the trainer's side
+(and, with ``verify``, the worker's checksums) came back good.
 
 Any failure aborts the groups, leaves the failing workers DIRTY at their last good version,
 drops workers whose actor died, and raises :class:`SyncError` naming each; the next
@@ -111,7 +112,7 @@ class _Worker:
 def _error_text(exc: BaseException) -> str:
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        return f"{type(cause).__name__}: {cause}".splitlines()[0] if str(cause) else type(cause).__name__
+        return f"{type(cause).__name__}: {cause}".replace("\n", "\n    ") if str(cause) else type(cause).__name__
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -194,11 +195,14 @@ class WeightSync:
         return {n: w.transport for n, w in self._workers.items()}
 
     # timed waits --------------------------------------------------------------------------
-    def _get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
+    def _get(self, refs: Any, what: str, error: type[WeightSyncError] = WeightSyncError) -> Any:
+        """``ray.get`` with the timeout, re-raising a remote failure as ``error`` naming ``what``."""
         try:
-            return ray.get(refs, timeout=timeout or self._ray_timeout())
+            return ray.get(refs, timeout=self._ray_timeout())
         except GetTimeoutError as exc:
-            raise WeightSyncError(f"{what} did not answer within {timeout or self._ray_timeout():.0f}s (raise timeout_s)") from exc
+            raise error(f"{what} did not answer within {self._ray_timeout():.0f}s (raise timeout_s)") from exc
+        except (RayTaskError, RayActorError) as exc:
+            raise error(f"{what} failed: {_error_text(exc)}") from exc
 
     def _ray_timeout(self) -> float:
         # Actor-side waits end at timeout_s; this margin lets their own error come back.
@@ -236,6 +240,7 @@ class WeightSync:
         infos = self._get(
             [self.trainer.ws_describe.remote()] + [self._workers[n].handle.ws_describe.remote() for n in names],
             "describing the trainer and workers",
+            SetupError,
         )
         trainer_info: EndpointInfo = infos[0]
         for name, info in zip(names, infos[1:]):
@@ -245,6 +250,7 @@ class WeightSync:
         manifest = self._get(
             self.trainer.ws_manifest.remote(self.buffer_bytes, self.num_buffers, self.alignment),
             "the trainer's manifest",
+            SetupError,
         )
         _, errors, _ = self._gather(
             {n: self._workers[n].handle.ws_accept.remote(manifest, n) for n in names}, self._ray_timeout()
@@ -301,8 +307,8 @@ class WeightSync:
         world = len(members) + 1
         backend = self.backend or ("nccl" if trainer.device == "cuda" else "gloo")
         group = f"weightsync-{uuid.uuid4().hex[:8]}"
-        host, port = self._get(self.trainer.ws_open_store.remote(world, self.timeout_s, trainer.node_ip), "opening the rendezvous store")
-        nccl_id = self._get(self.trainer.ws_nccl_id.remote(), "making the NCCL id") if backend == "nccl" else None
+        host, port = self._get(self.trainer.ws_open_store.remote(world, self.timeout_s, trainer.node_ip), "opening the rendezvous store", SetupError)
+        nccl_id = self._get(self.trainer.ws_nccl_id.remote(), "making the NCCL id", SetupError) if backend == "nccl" else None
         calls = {"trainer": self.trainer.ws_join_broadcast.remote(GroupSpec(group, host, port, 0, world, self.timeout_s, backend, nccl_id))}
         for rank, w in enumerate(members, start=1):
             w.rank = rank
@@ -316,7 +322,7 @@ class WeightSync:
         members = self._members("ipc")
         if not members:
             return
-        export = self._get(self.trainer.ws_export_ipc.remote([w.name for w in members], self.timeout_s), "exporting IPC slots")
+        export = self._get(self.trainer.ws_export_ipc.remote([w.name for w in members], self.timeout_s), "exporting IPC slots", SetupError)
         for index, w in enumerate(members):
             w.ipc_index = index
         _, errors, _ = self._gather(
@@ -325,7 +331,7 @@ class WeightSync:
         if errors:
             self._teardown(abort=True)
             raise SetupError("attaching IPC slots failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
-        self._get(self.trainer.ws_seal_ipc.remote(), "sealing IPC exports")
+        self._get(self.trainer.ws_seal_ipc.remote(), "sealing IPC exports", SetupError)
 
     def _open_direct(self) -> None:
         members = self._members("direct")
@@ -335,8 +341,8 @@ class WeightSync:
         if errors:
             self._teardown(abort=True)
             raise SetupError("exporting direct targets failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
-        self._get([self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members], "mapping direct targets")
-        self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports")
+        self._get([self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members], "mapping direct targets", SetupError)
+        self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports", SetupError)
 
     # sync ---------------------------------------------------------------------------------
     def sync(self, version: int, verify: bool | None = None, force: bool = False) -> SyncReport:
@@ -387,22 +393,21 @@ class WeightSync:
         if errors:
             self._fail(errors, dead, "during the transfer")
         sent = results["trainer"]
-        commits = [w for w in direct]
-        if verify:
-            errors = {}
-            for w in ipc + bcast:
-                got: ReceiveResult = results[w.name]
-                expected = sent["ipc"] if w.transport == "ipc" else sent["broadcast"]
-                bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
-                if bad or len(got.checksums) != len(expected):
-                    errors[w.name] = f"checksum mismatch in chunk(s) {bad or 'count'}: bytes corrupted in transit"
-                else:
-                    commits.append(w)
-            if errors:
-                self._commit(commits, version)
-                self._fail(errors, [], "verifying checksums")
-        if commits:
-            results.update(self._commit(commits, version))
+        commits = list(direct)
+        errors = {}
+        for w in ipc + bcast:
+            got: ReceiveResult = results[w.name]
+            expected = sent["ipc"] if w.transport == "ipc" else sent["broadcast"]
+            bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
+            if verify and (bad or len(got.checksums) != len(expected)):
+                which = ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
+                errors[w.name] = f"checksum mismatch ({which}): bytes corrupted in transit"
+            else:
+                commits.append(w)
+        # Two-phase: a worker takes the new version only after the trainer's side succeeded.
+        results.update(self._commit(commits, version))
+        if errors:
+            self._fail(errors, [], "verifying checksums")
         self._sync_seq += 1
         self.version = version
         seconds = time.perf_counter() - start
@@ -434,14 +439,15 @@ class WeightSync:
         """Abort the groups, mark survivors dirty, drop the dead, and raise SyncError."""
         for name in dead:
             self._workers.pop(name, None)
-        for name in errors:
-            w = self._workers.get(name)
-            if w is not None:
-                try:
-                    ray.get(w.handle.ws_mark_dirty.remote(), timeout=self._ray_timeout())
-                except Exception as exc:  # noqa: BLE001 - reported with the original failure
-                    log.warning("weightsync: could not mark %s dirty: %s", name, _error_text(exc))
-        self._teardown(abort=True)
+        # Every live worker still RECEIVING becomes DIRTY (also those whose own call
+        # returned: their data may be incomplete when the trainer failed). A party that
+        # gave no answer is still busy; asking it anything would only wait.
+        busy = {n for n, m in errors.items() if m.startswith("no answer")}
+        marks = {n: w.handle.ws_mark_dirty.remote() for n, w in self._workers.items() if n not in busy}
+        _, mark_errors, _ = self._gather(marks, self._ray_timeout())
+        for name, msg in mark_errors.items():
+            log.warning("weightsync: could not mark %s dirty: %s", name, msg)
+        self._teardown(abort=True, skip=busy)
         lines = [f"{name}: {msg}" for name, msg in sorted(errors.items())]
         if dead:
             lines.append(f"dropped dead worker(s) {', '.join(dead)}; the next sync re-forms the groups without them")
@@ -470,9 +476,10 @@ class WeightSync:
     def _invalidate(self) -> None:
         self._ready = False
 
-    def _teardown(self, abort: bool = False) -> None:
+    def _teardown(self, abort: bool = False, skip: frozenset[str] | set[str] = frozenset()) -> None:
         self._ready = False
         parties = {"trainer": self.trainer, **{n: w.handle for n, w in self._workers.items()}}
+        parties = {n: h for n, h in parties.items() if n not in skip}
         refs = {n: h.ws_teardown.remote(abort) for n, h in parties.items()}
         _, errors, dead = self._gather(refs, self._ray_timeout())
         for name in dead:

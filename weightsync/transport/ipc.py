@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,7 +119,11 @@ class IpcExport:
     control: ShmHandle
     num_slots: int
     slot_bytes: int
-    num_consumers: int
+    consumer_names: tuple[str, ...]
+
+    @property
+    def num_consumers(self) -> int:
+        return len(self.consumer_names)
 
 
 @dataclass(frozen=True)
@@ -133,16 +137,26 @@ class ChunkHandle:
     checksum: int | None = None
 
 
-def _wait(predicate, deadline: float, control: np.ndarray, me: str, what: str, names: Sequence[str]) -> None:  # type: ignore[no-untyped-def]
+def _wait(
+    predicate: Callable[[], bool], deadline: float, control: np.ndarray, me: str,
+    what: Callable[[], str], names: Sequence[str],
+) -> None:
+    """Spin, then back off, until ``predicate``; raise on the peer's abort flag or the deadline.
+
+    ``what`` is called only to word an error, so it names who is late at that moment.
+    """
     spins = 0
     delay = 10e-6
     while not predicate():
         code = int(control[_ABORT])
         if code:
             who = names[code - 1] if 0 < code <= len(names) else f"peer {code}"
-            raise PeerAborted(f"{me}: {who} failed during the transfer; stopping ({what})")
+            raise PeerAborted(f"{me}: {who} failed during the transfer; stopped waiting for {what()}")
         if time.monotonic() > deadline:
-            raise TransferTimeout(f"{me}: timed out waiting for {what}")
+            raise TransferTimeout(
+                f"{me}: timed out waiting for {what()}; that side is stuck, dead or too slow "
+                "(raise timeout_s if it is only slow)"
+            )
         spins += 1
         if spins > 200:
             time.sleep(delay)
@@ -184,7 +198,7 @@ class IpcSender:
             control=self._control.handle(),
             num_slots=nbuf,
             slot_bytes=size,
-            num_consumers=len(consumer_names),
+            consumer_names=tuple(consumer_names),
         )
         return self._export
 
@@ -255,7 +269,9 @@ class IpcSender:
 
                 if not slot_free():
                     control[_WAITING] = g + 1
-                    _wait(slot_free, deadline, control, self.name, f"workers to release slot {slot} (chunk {chunk.index})", names)
+                    _wait(slot_free, deadline, control, self.name,
+                          lambda: f"{self._lagging(consumers, need)} to release slot {slot} before chunk {chunk.index}",
+                          names)
                     control[_WAITING] = 0
                 handle = self.pack(chunk.index, slot, sources, verify)
                 if verify:
@@ -268,12 +284,18 @@ class IpcSender:
             final = base + len(self.manifest.chunks)
             _wait(
                 lambda: all(int(control[_FIRST_CONSUMER + c]) >= final for c in consumers),
-                deadline, control, self.name, "workers to finish the last chunk", names,
+                deadline, control, self.name, lambda: f"{self._lagging(consumers, final)} to finish the last chunk", names,
             )
         except BaseException:
-            control[_ABORT] = 1
+            if not int(control[_ABORT]):  # the first failure is the one to name
+                control[_ABORT] = 1
             raise
         return checksums
+
+    def _lagging(self, consumers: Sequence[int], need: int) -> str:
+        assert self._control_np is not None
+        late = [self._consumer_names[c] for c in consumers if int(self._control_np[_FIRST_CONSUMER + c]) < need]
+        return ", ".join(late) or "workers"
 
     def close(self) -> None:
         for region in (self._slots, self._control):
@@ -392,9 +414,10 @@ class IpcReceiver:
         nbuf = self.manifest.num_buffers
         nchunks = len(self.manifest.chunks)
         base = sync_seq * nchunks
-        deadline = time.monotonic() + self.timeout_s
-        names = ["trainer", *[f"consumer {i}" for i in range(self._export.num_consumers)]]
-        names[1 + self._index] = self.name
+        # A consumer gives the producer a margin: the producer sees which consumer is late
+        # and should be the one to time out and name it.
+        deadline = time.monotonic() + self.timeout_s * 1.25 + 1.0
+        names = ["trainer", *self._export.consumer_names]
         csum_at = _FIRST_CONSUMER + self._export.num_consumers
         me = _FIRST_CONSUMER + self._index
         checksums: list[int] = []
@@ -407,7 +430,7 @@ class IpcReceiver:
             for chunk in self.manifest.chunks:
                 g = base + chunk.index
                 _wait(lambda: int(control[_PUBLISHED]) > g, deadline, control, self.name,
-                      f"the trainer to publish chunk {chunk.index}", names)
+                      lambda: f"the trainer to publish chunk {chunk.index}", names)
                 expected = None
                 if verify:
                     expected = int(np.int64(control[csum_at + g % nbuf]).view(np.uint64))
@@ -417,7 +440,8 @@ class IpcReceiver:
                 control[me] = g + 1
             unpacker.finish()
         except BaseException:
-            control[_ABORT] = 2 + self._index
+            if not int(control[_ABORT]):
+                control[_ABORT] = 2 + self._index
             raise
         return checksums
 
