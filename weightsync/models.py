@@ -30,11 +30,13 @@ class PolicyConfig:
         return (self.vocab * self.dim + self.layers * per_layer + self.dim) * itemsize
 
 
-#: Named sizes: roughly 1 MB, 30 MB (the demo default), 100 MB, 1 GB and an 8B-shaped 16 GB.
+#: Named sizes (fp32 unless noted): about 1 MB, 40 MB (the demo default), 115 MB, 270 MB,
+#: 0.94 GB (bf16) and an 8B-shaped 16.6 GB (bf16: 291 tensors, a 1.05 GB embedding).
 SIZES: dict[str, PolicyConfig] = {
     "1mb": PolicyConfig(vocab=256, dim=96, layers=2, heads=4, ffn=256),
     "30mb": PolicyConfig(vocab=4096, dim=384, layers=4, heads=6, ffn=1024),
     "100mb": PolicyConfig(vocab=8192, dim=576, layers=6, heads=8, ffn=1536),
+    "256mb": PolicyConfig(vocab=16384, dim=1024, layers=4, heads=16, ffn=2816),
     "1gb": PolicyConfig(vocab=32000, dim=2048, layers=8, heads=16, ffn=5504, dtype="bfloat16"),
     "16gb": PolicyConfig(vocab=128256, dim=4096, layers=32, heads=32, ffn=14336, dtype="bfloat16"),
 }
@@ -82,7 +84,8 @@ class TinyPolicy(nn.Module):
 
 def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyPolicy:
     """A policy with seeded random weights (workers built with another seed start different)."""
-    gen = torch.Generator().manual_seed(cfg.seed)
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)  # on the device: fast at 16 GB
     with torch.device("meta"):
         model = TinyPolicy(cfg)
     model = model.to_empty(device=device).to(getattr(torch, cfg.dtype))
@@ -92,7 +95,7 @@ def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyP
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
     return model
 
 
