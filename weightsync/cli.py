@@ -25,10 +25,11 @@ def _print(*parts: Any) -> None:
     print(*parts, flush=True)
 
 
-def _actor_options(device: str, colocated: bool, gpu_count: int) -> dict[str, Any]:
+def _actor_options(device: str, colocated: bool, parties: int) -> dict[str, Any]:
+    """Colocated actors share one GPU evenly; others get a GPU each."""
     if device != "cuda":
         return {"num_cpus": 0}
-    return {"num_cpus": 0, "num_gpus": 0.5 if colocated else 1}
+    return {"num_cpus": 0, "num_gpus": 1 / parties if colocated else 1}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -47,11 +48,12 @@ def demo(args: argparse.Namespace) -> int:
         _print("error: --device cuda but the Ray cluster has no GPU; run with --device cpu")
         return 2
     colocated = args.transport in ("auto", "ipc", "direct") or gpus < 2
-    trainer = TrainerActor.options(**_actor_options(args.device, colocated, gpus)).remote(
+    parties = args.workers + 1
+    trainer = TrainerActor.options(**_actor_options(args.device, colocated, parties)).remote(
         PolicyFactory(args.size, seed=0, device="cpu"), device=args.device
     )
     workers = {
-        f"worker-{i}": WorkerActor.options(**_actor_options(args.device, colocated, gpus)).remote(
+        f"worker-{i}": WorkerActor.options(**_actor_options(args.device, colocated, parties)).remote(
             PolicyFactory(args.size, seed=i + 1, device="cpu"), device=args.device
         )
         for i in range(args.workers)

@@ -215,6 +215,7 @@ class WeightReceiver:
         self.broadcast: BroadcastReceiver | None = None
         self.ipc: IpcReceiver | None = None
         self.direct: DirectTarget | None = None
+        self._closed_imports = [0, 0]
 
     def accept(self, manifest: Manifest) -> None:
         """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing."""
@@ -314,7 +315,16 @@ class WeightReceiver:
     def close_ipc(self) -> None:
         if self.ipc is not None:
             self.ipc.close()
+            self._closed_imports[0] += self.ipc.importer.maps
+            self._closed_imports[1] += self.ipc.importer.releases
             self.ipc = None
+
+    def ipc_import_counts(self) -> tuple[int, int]:
+        """(mappings made, mappings released) by this worker's IPC importers, all sessions."""
+        maps, releases = self._closed_imports
+        if self.ipc is not None:
+            maps, releases = maps + self.ipc.importer.maps, releases + self.ipc.importer.releases
+        return maps, releases
 
     def close_transports(self, abort: bool = False) -> None:
         self.close_broadcast(abort)

@@ -158,9 +158,9 @@ def _wait(
                 "(raise timeout_s if it is only slow)"
             )
         spins += 1
-        if spins > 200:
+        if spins > 2000:
             time.sleep(delay)
-            delay = min(delay * 2, 500e-6)
+            delay = min(delay * 2, 100e-6)
 
 
 class IpcSender:

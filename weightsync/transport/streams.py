@@ -82,9 +82,13 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str)
     stream is polled and the caller gets a :class:`TransferTimeout` it can act on (abort
     the communicator) instead.
     """
-    delay = 20e-6
+    polls = 0
+    delay = 10e-6
     while not stream.query():
+        polls += 1
+        if polls < 2000:  # a chunk's copy often ends within a few hundred microseconds
+            continue
         if time.monotonic() > deadline:
             raise TransferTimeout(on_timeout)
         time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        delay = min(delay * 2, 200e-6)
