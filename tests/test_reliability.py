@@ -243,11 +243,13 @@ def test_verify_catches_a_flipped_bit_names_worker_and_chunk_and_the_next_sync_r
     text = str(info.value)
     assert "victim: " in text and "chunk 1" in text and "corrupted in transit" in text, text
     if "clean" in info.value.failures:
-        # IPC consumers share one hand-off: the clean one was stopped, naming the cause.
-        assert "victim failed" in info.value.failures["clean"]
+        # IPC consumers read one shared slot: the flipped bit is really there for the clean
+        # worker too, or it was stopped by the victim's abort, naming the cause.
+        assert transport == "ipc"
+        assert "victim failed" in info.value.failures["clean"] or "corrupted in transit" in info.value.failures["clean"]
     status = ws.status()
     assert status["victim"] == (1, "dirty")
-    assert status["clean"][0] in (1, 2)
+    assert status["clean"] in ((2, "committed"), (1, "dirty"))
     with pytest.raises(VerificationError, match="victim"):
         ws.verify()
     # The fault was one-shot: the next sync repairs the victim.

@@ -31,7 +31,7 @@ from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.spec import Manifest, WeightSyncError
 from weightsync.transport.direct import DirectExport
 from weightsync.transport.gloo import GlooCommunicator, open_store
-from weightsync.transport.ipc import ChunkHandle, IpcExport
+from weightsync.transport.ipc import ChecksumMismatch, ChunkHandle, IpcExport
 
 
 @dataclass(frozen=True)
@@ -164,14 +164,20 @@ class TrainerMixin:
         broadcast: bool,
         ipc_consumers: list[int],
         sync_seq: int,
-        direct: list[tuple[str, DirectExport | None]],
+        direct: list[str],
         verify: bool,
+        *direct_exports: DirectExport | None,
     ) -> dict[str, Any]:
-        """One sync on the trainer: direct writes, then IPC, then the broadcast."""
+        """One sync on the trainer: direct writes, then IPC, then the broadcast.
+
+        ``direct_exports`` are the direct workers' answers to ``ws_begin_direct`` (a fresh
+        export, or None), passed as Ray object refs so this call starts as soon as they
+        are ready, without a round trip through the coordinator.
+        """
         sender = self._ws()
         start = time.perf_counter()
         out: dict[str, Any] = {"broadcast": [], "ipc": []}
-        for worker, export in direct:
+        for worker, export in zip(direct, direct_exports, strict=True):
             sender.write_direct(worker, export)
         if ipc_consumers:
             out["ipc"] = sender.send_ipc(sync_seq, ipc_consumers, verify)
@@ -280,9 +286,24 @@ class WorkerMixin:
             receiver.fail()
             raise
 
-    def ws_commit(self, version: int) -> ReceiveResult:
-        self._wr().commit(version)
-        return self._result([], time.perf_counter())
+    def ws_commit(
+        self, version: int, transport: str, verify: bool, sent: dict[str, Any], received: ReceiveResult | None = None
+    ) -> ReceiveResult:
+        """Take ``version`` once the trainer's side (``sent``) and this worker's receive
+        (``received``) both succeeded; with ``verify``, only if every chunk's checksum
+        matches the trainer's. Both arrive as Ray object refs: a failure on either side
+        fails this call before it runs, so the version never moves on a failed sync."""
+        receiver = self._wr()
+        if verify and received is not None:
+            expected = sent[transport]
+            bad = [i for i, (a, b) in enumerate(zip(received.checksums, expected)) if a != b]
+            if bad or len(received.checksums) != len(expected):
+                receiver.fail()
+                which = ", ".join(f"chunk {i}" for i in bad) or f"{len(received.checksums)} checksums for {len(expected)} chunks"
+                raise ChecksumMismatch(f"{receiver.name}: checksum mismatch ({which}): bytes corrupted in transit")
+        receiver.commit(version)
+        seconds = received.seconds if received is not None else 0.0
+        return ReceiveResult(receiver.name, receiver.version, receiver.state.value, [], seconds)
 
     def ws_mark_dirty(self) -> None:
         receiver = self._wr()

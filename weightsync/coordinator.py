@@ -208,8 +208,27 @@ class WeightSync:
         # Actor-side waits end at timeout_s; this margin lets their own error come back.
         return self.timeout_s * 1.5 + 10.0
 
+    def _handle_of(self, party: str) -> Any:
+        if party == "trainer":
+            return self.trainer
+        w = self._workers.get(party)
+        return w.handle if w is not None else None
+
+    def _died_itself(self, party: str, exc: RayActorError) -> bool:
+        """True when ``exc`` is ``party``'s own death, not that of an actor it depended on."""
+        handle = self._handle_of(party.split("/")[0])
+        died = getattr(exc, "actor_id", None)
+        mine = getattr(handle, "_actor_id", None)
+        if died is None or mine is None:
+            return True
+        return str(died) == mine.hex()
+
     def _gather(self, calls: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-        """Wait for every named call together; returns results, errors and dead actors."""
+        """Wait for every named call together; returns results, errors and dead parties.
+
+        Names are ``party`` or ``party/phase``; a call that failed because another actor it
+        depended on died is an error, not a death of its own party.
+        """
         by_ref = {ref: name for name, ref in calls.items()}
         ready, pending = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout)
         results: dict[str, Any] = {}
@@ -220,8 +239,11 @@ class WeightSync:
             try:
                 results[name] = ray.get(ref, timeout=1.0)
             except RayActorError as exc:
-                errors[name] = f"actor died ({_error_text(exc)})"
-                dead.append(name)
+                if self._died_itself(name, exc):
+                    errors[name] = f"actor died ({_error_text(exc)})"
+                    dead.append(name)
+                else:
+                    errors[name] = f"stopped: an actor it depended on died ({_error_text(exc)})"
             except Exception as exc:  # noqa: BLE001 - collected per party, re-raised as SyncError
                 errors[name] = _error_text(exc)
         for ref in pending:
@@ -369,45 +391,37 @@ class WeightSync:
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:
+        """Submit the whole sync as one Ray dependency graph and wait for it once.
+
+        begin (direct workers) -> ws_send (trainer) -> ws_commit (every worker), with each
+        worker's receive running alongside the trainer's send. Later phases take earlier
+        phases' object refs as arguments, so Ray starts each as soon as its inputs are ready
+        and the coordinator makes no round trip between phases.
+        """
         assert self.manifest is not None
         start = time.perf_counter()
         direct = self._members("direct")
         ipc = self._members("ipc")
         bcast = self._members("broadcast")
-        exports: dict[str, Any] = {}
-        if direct:
-            exports, errors, dead = self._gather(
-                {w.name: w.handle.ws_begin_direct.remote(version, force) for w in direct}, self._ray_timeout()
-            )
-            if errors:
-                self._fail(errors, dead, "before any byte moved")
+        calls: dict[tuple[str, str], Any] = {}
+        for w in direct:
+            calls[(w.name, "begin")] = w.handle.ws_begin_direct.remote(version, force)
         trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast), [w.ipc_index for w in ipc], self._sync_seq, [(w.name, exports.get(w.name)) for w in direct], verify
+            bool(bcast), [w.ipc_index for w in ipc], self._sync_seq, [w.name for w in direct], verify,
+            *[calls[(w.name, "begin")] for w in direct],
         )
-        calls: dict[str, Any] = {"trainer": trainer_ref}
+        calls[("trainer", "send")] = trainer_ref
         for w in ipc:
-            calls[w.name] = w.handle.ws_receive_ipc.remote(version, self._sync_seq, verify, force)
+            calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, self._sync_seq, verify, force)
         for w in bcast:
-            calls[w.name] = w.handle.ws_receive_broadcast.remote(version, verify, force)
-        results, errors, dead = self._gather(calls, self._ray_timeout())
+            calls[(w.name, "receive")] = w.handle.ws_receive_broadcast.remote(version, verify, force)
+        for w in self._workers.values():
+            received = calls.get((w.name, "receive"))
+            args = (version, w.transport, verify, trainer_ref) + ((received,) if received is not None else ())
+            calls[(w.name, "commit")] = w.handle.ws_commit.remote(*args)
+        results, errors, dead = self._gather({f"{n}/{phase}": ref for (n, phase), ref in calls.items()}, self._ray_timeout())
         if errors:
-            self._fail(errors, dead, "during the transfer")
-        sent = results["trainer"]
-        commits = list(direct)
-        errors = {}
-        for w in ipc + bcast:
-            got: ReceiveResult = results[w.name]
-            expected = sent["ipc"] if w.transport == "ipc" else sent["broadcast"]
-            bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
-            if verify and (bad or len(got.checksums) != len(expected)):
-                which = ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
-                errors[w.name] = f"checksum mismatch ({which}): bytes corrupted in transit"
-            else:
-                commits.append(w)
-        # Two-phase: a worker takes the new version only after the trainer's side succeeded.
-        results.update(self._commit(commits, version))
-        if errors:
-            self._fail(errors, [], "verifying checksums")
+            self._fail(*self._attribute(errors, dead), "during the transfer")
         self._sync_seq += 1
         self.version = version
         seconds = time.perf_counter() - start
@@ -416,7 +430,7 @@ class WeightSync:
         reports = []
         for w in self._workers.values():
             counts[w.transport] = counts.get(w.transport, 0) + 1
-            r: ReceiveResult = results[w.name]
+            r: ReceiveResult = results[f"{w.name}/commit"]
             reports.append(WorkerReport(w.name, w.transport, r.version, r.state, r.seconds))
         return SyncReport(
             version=version,
@@ -429,11 +443,22 @@ class WeightSync:
             verified=verify,
         )
 
-    def _commit(self, workers: Sequence[_Worker], version: int) -> dict[str, Any]:
-        results, errors, dead = self._gather({w.name: w.handle.ws_commit.remote(version) for w in workers}, self._ray_timeout())
-        if errors:
-            self._fail(errors, dead, "committing the version")
-        return results
+    def _attribute(self, errors: Mapping[str, str], dead: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+        """Per party, the failure it caused. A commit that failed only because the trainer's
+        send or the party's own receive failed is a consequence, and is left out."""
+        causes: dict[str, str] = {}
+        for key, msg in errors.items():
+            party, phase = key.split("/")
+            if phase != "commit":
+                causes.setdefault(party, msg)
+        for key, msg in errors.items():
+            party, phase = key.split("/")
+            if phase == "commit" and "trainer" not in causes and party not in causes:
+                causes[party] = msg
+        if not causes:
+            causes = {key.split("/")[0]: msg for key, msg in errors.items()}
+        workers_dead = sorted({key.split("/")[0] for key in dead} & set(self._workers))
+        return causes, workers_dead
 
     def _fail(self, errors: Mapping[str, str], dead: Sequence[str], when: str) -> None:
         """Abort the groups, mark survivors dirty, drop the dead, and raise SyncError."""
