@@ -73,3 +73,12 @@ def perturb(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for i, (name, tensor) in enumerate(module_tensors(model)):
             tensor.copy_(random_tensor(tuple(tensor.shape), tensor.dtype, seed * 1000 + i).to(tensor.device))
+
+
+def bytes_state_of(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
+    """Run inside an actor: (dtype, shape, raw bytes) of every synced tensor. Raw uint8 bytes
+    survive Ray's pickling for every dtype (fp8 and uint32 tensors do not, in torch 2.11)."""
+    return {
+        name: (str(t.dtype), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone())
+        for name, t in module_tensors(model)
+    }

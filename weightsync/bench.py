@@ -257,6 +257,9 @@ class Bench:
         connect(args.address, num_cpus=args.num_cpus)
         opts: dict[str, Any] = {"num_cpus": 0}
         if cuda:
+            # Colocated cases need one GPU shared by the trainer and one worker; NCCL cases
+            # would need more GPUs, which this bench does not place yet.
+            args.workers = 1
             opts["num_gpus"] = 0.5
         self.header()
         for size in args.sizes:
