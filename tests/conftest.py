@@ -38,8 +38,12 @@ def ray_session() -> Iterator[None]:
         num_gpus=num_gpus,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-                                  "GLOO_SOCKET_IFNAME": "lo"}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
+        },
     )
     yield
     ray.shutdown()

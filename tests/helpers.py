@@ -71,7 +71,7 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def perturb(model: nn.Module, seed: int) -> None:
     """Run inside an actor: change every tensor to new random bits (a stand-in for training)."""
     with torch.no_grad():
-        for i, (name, tensor) in enumerate(module_tensors(model)):
+        for i, (_, tensor) in enumerate(module_tensors(model)):
             tensor.copy_(random_tensor(tuple(tensor.shape), tensor.dtype, seed * 1000 + i).to(tensor.device))
 
 

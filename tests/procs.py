@@ -54,7 +54,9 @@ class Holder(torch.nn.Module):
         )
 
 
-def gloo_rank(rank: int, port: int, world: int, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any) -> None:
+def gloo_rank(
+    rank: int, port: int, world: int, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any
+) -> None:
     """A receiver rank: joins the group, receives one sync per seed, reports matches."""
     try:
         receiver = WeightReceiver(Holder(seed=999), name=f"rank-{rank}")
@@ -72,7 +74,9 @@ def gloo_rank(rank: int, port: int, world: int, buffer_bytes: int, num_buffers: 
         queue.put((rank, None, traceback.format_exc()))
 
 
-def ipc_consumer(export: Any, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any, check_slots: bool) -> None:
+def ipc_consumer(
+    export: Any, buffer_bytes: int, num_buffers: int, seeds: list[int], queue: Any, check_slots: bool
+) -> None:
     """Consumer of an IPC export, one sync per seed.
 
     With ``check_slots`` its sink proves no slot is rewritten while it reads. Holding chunk

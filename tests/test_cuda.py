@@ -54,7 +54,7 @@ class GpuTrainer(_Trainer):
             big = big / big.norm()
         with torch.no_grad():
             for i, (_, t) in enumerate(sorted(self.model.state_dict().items())):
-                t.copy_((random_tensor(tuple(t.shape), t.dtype, seed * 1000 + i).to("cuda", non_blocking=True)))
+                t.copy_(random_tensor(tuple(t.shape), t.dtype, seed * 1000 + i).to("cuda", non_blocking=True))
                 t.view(-1)[:1].copy_(t.view(-1)[:1] + (big[0, 0] * 0).to(t.dtype))
 
     def pid(self) -> int:
@@ -96,7 +96,9 @@ def gpu_pair(actors: Any, factory: Any, n_workers: int = 1, worker_factory: Any 
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
 def test_cuda_ipc_round_trips_every_dtype_over_many_chunks(num_buffers: int, actors: Any) -> None:
-    trainer, workers = gpu_pair(actors, functools.partial(AllDtypes, seed=0), worker_factory=functools.partial(AllDtypes, seed=1))
+    trainer, workers = gpu_pair(
+        actors, functools.partial(AllDtypes, seed=0), worker_factory=functools.partial(AllDtypes, seed=1)
+    )
     with WeightSync(trainer, workers, transport="ipc", buffer_bytes=2048, num_buffers=num_buffers) as ws:
         assert len(ws.manifest.chunks) > 4  # type: ignore[union-attr]
         for version in (1, 2, 3):
@@ -113,7 +115,9 @@ def test_cuda_ipc_round_trips_every_dtype_over_many_chunks(num_buffers: int, act
 
 
 def test_importer_maps_once_and_releases_once(actors: Any) -> None:
-    trainer, workers = gpu_pair(actors, functools.partial(MixedModel, seed=0), worker_factory=functools.partial(MixedModel, seed=1))
+    trainer, workers = gpu_pair(
+        actors, functools.partial(MixedModel, seed=0), worker_factory=functools.partial(MixedModel, seed=1)
+    )
     ws = WeightSync(trainer, workers, transport="ipc", buffer_bytes=1024)
     ws.setup()
     for version in range(1, 6):
@@ -134,7 +138,9 @@ def test_handle_for_another_gpu_is_refused_with_a_clear_error() -> None:
 @pytest.mark.parametrize("transport", ["ipc", "direct"])
 def test_gpu_memory_is_flat_across_50_syncs_on_both_sides(transport: str, actors: Any) -> None:
     # vLLM gh-52950: fresh streams per call stranded ~2 GB of reserved memory per sync.
-    trainer, workers = gpu_pair(actors, PolicyFactory("100mb", 0, "cuda"), worker_factory=PolicyFactory("100mb", 1, "cuda"))
+    trainer, workers = gpu_pair(
+        actors, PolicyFactory("100mb", 0, "cuda"), worker_factory=PolicyFactory("100mb", 1, "cuda")
+    )
     with WeightSync(trainer, workers, transport=transport, buffer_bytes=16 << 20) as ws:
         ws.sync(1)
         streams = get(trainer.stream_cache.remote())
@@ -149,7 +155,9 @@ def test_gpu_memory_is_flat_across_50_syncs_on_both_sides(transport: str, actors
 
 @pytest.mark.parametrize("transport", ["ipc", "direct"])
 def test_ray_path_at_half_a_gpu_each_with_training_between_syncs(transport: str, actors: Any) -> None:
-    trainer, workers = gpu_pair(actors, PolicyFactory("30mb", 0, "cuda"), worker_factory=PolicyFactory("30mb", 1, "cuda"))
+    trainer, workers = gpu_pair(
+        actors, PolicyFactory("30mb", 0, "cuda"), worker_factory=PolicyFactory("30mb", 1, "cuda")
+    )
     with WeightSync(trainer, workers, buffer_bytes=4 << 20, transport=transport) as ws:
         assert ws.transports() == {"worker-0": transport}
         losses = []
@@ -175,7 +183,9 @@ def test_auto_picks_direct_on_a_shared_gpu_and_refuses_nccl_there(actors: Any) -
 
 @pytest.mark.parametrize("transport", ["ipc", "direct"])
 def test_packing_waits_for_the_callers_stream(transport: str, actors: Any) -> None:
-    trainer, workers = gpu_pair(actors, functools.partial(MixedModel, seed=0), worker_factory=functools.partial(MixedModel, seed=1))
+    trainer, workers = gpu_pair(
+        actors, functools.partial(MixedModel, seed=0), worker_factory=functools.partial(MixedModel, seed=1)
+    )
     with WeightSync(trainer, workers, transport=transport, buffer_bytes=1024) as ws:
         for version in (1, 2):
             ray.get(trainer.write_slowly_then_sync_nothing.remote(version), timeout=120)
@@ -206,7 +216,9 @@ class ExitingWorker(GpuWorker):
 def test_direct_worker_killed_during_the_sync_is_named_and_the_trainer_stays_usable(actors: Any) -> None:
     opts = {"num_cpus": 0, "num_gpus": 1 / 3}
     trainer = actors.add(ray.remote(GpuTrainer).options(**opts).remote(PolicyFactory("1mb", 0, "cuda"), device="cuda"))
-    doomed = actors.add(ray.remote(ExitingWorker).options(**opts).remote(PolicyFactory("1mb", 1, "cuda"), device="cuda"))
+    doomed = actors.add(
+        ray.remote(ExitingWorker).options(**opts).remote(PolicyFactory("1mb", 1, "cuda"), device="cuda")
+    )
     healthy = actors.add(ray.remote(GpuWorker).options(**opts).remote(PolicyFactory("1mb", 2, "cuda"), device="cuda"))
     ws = WeightSync(trainer, {"doomed": doomed, "healthy": healthy}, transport="direct", timeout_s=20)
     ws.sync(1)
@@ -221,9 +233,14 @@ def test_direct_worker_killed_during_the_sync_is_named_and_the_trainer_stays_usa
 
 def test_direct_casts_fp32_master_weights_to_bf16_in_the_one_copy(actors: Any) -> None:
     opts = {"num_cpus": 0, "num_gpus": 0.5}
-    trainer = actors.add(ray.remote(GpuTrainer).options(**opts).remote(
-        functools.partial(_as_dtype, "float32", 0), device="cuda", wire_dtype=torch.bfloat16))
-    worker = actors.add(ray.remote(GpuWorker).options(**opts).remote(functools.partial(_as_dtype, "bfloat16", 1), device="cuda"))
+    trainer = actors.add(
+        ray.remote(GpuTrainer)
+        .options(**opts)
+        .remote(functools.partial(_as_dtype, "float32", 0), device="cuda", wire_dtype=torch.bfloat16)
+    )
+    worker = actors.add(
+        ray.remote(GpuWorker).options(**opts).remote(functools.partial(_as_dtype, "bfloat16", 1), device="cuda")
+    )
     with WeightSync(trainer, [worker], transport="direct") as ws:
         get(trainer.call.remote(perturb, 4))
         ws.sync(1)

@@ -22,9 +22,15 @@ def gpus() -> int:
 
 
 def nccl_group(actors: Any, n_workers: int, size: str = "30mb") -> tuple[Any, list[Any]]:
-    trainer = actors.add(ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=1).remote(PolicyFactory(size, 0, "cuda"), device="cuda"))
+    trainer = actors.add(
+        ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=1).remote(PolicyFactory(size, 0, "cuda"), device="cuda")
+    )
     workers = [
-        actors.add(ray.remote(GpuWorker).options(num_cpus=0, num_gpus=1).remote(PolicyFactory(size, i + 1, "cuda"), device="cuda"))
+        actors.add(
+            ray.remote(GpuWorker)
+            .options(num_cpus=0, num_gpus=1)
+            .remote(PolicyFactory(size, i + 1, "cuda"), device="cuda")
+        )
         for i in range(n_workers)
     ]
     return trainer, workers
@@ -60,8 +66,12 @@ class DyingWorker(GpuWorker):
 
 
 def test_worker_killed_mid_broadcast_ends_in_a_named_error_not_a_hang(actors: Any) -> None:
-    trainer = actors.add(ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda"))
-    doomed = actors.add(ray.remote(DyingWorker).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda"))
+    trainer = actors.add(
+        ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda")
+    )
+    doomed = actors.add(
+        ray.remote(DyingWorker).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda")
+    )
     ws = WeightSync(trainer, {"doomed": doomed}, buffer_bytes=8 << 20, timeout_s=20)
     ws.sync(1)
     with pytest.raises(SyncError) as info:
@@ -71,10 +81,18 @@ def test_worker_killed_mid_broadcast_ends_in_a_named_error_not_a_hang(actors: An
 
 
 def test_mixed_sync_colocated_ipc_and_remote_nccl(actors: Any) -> None:
-    trainer = actors.add(ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=0.5).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda"))
-    local = actors.add(ray.remote(GpuWorker).options(num_cpus=0, num_gpus=0.5).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda"))
-    remote = actors.add(ray.remote(GpuWorker).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 2, "cuda"), device="cuda"))
-    with WeightSync(trainer, {"local": local, "remote": remote}, transport={"local": "ipc", "remote": "auto"}, buffer_bytes=8 << 20) as ws:
+    trainer = actors.add(
+        ray.remote(GpuTrainer).options(num_cpus=0, num_gpus=0.5).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda")
+    )
+    local = actors.add(
+        ray.remote(GpuWorker).options(num_cpus=0, num_gpus=0.5).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda")
+    )
+    remote = actors.add(
+        ray.remote(GpuWorker).options(num_cpus=0, num_gpus=1).remote(PolicyFactory("30mb", 2, "cuda"), device="cuda")
+    )
+    with WeightSync(
+        trainer, {"local": local, "remote": remote}, transport={"local": "ipc", "remote": "auto"}, buffer_bytes=8 << 20
+    ) as ws:
         assert ws.transports() == {"local": "ipc", "remote": "broadcast"}
         for version in (1, 2):
             get(trainer.call.remote(train_step, version))

@@ -145,8 +145,11 @@ def test_checksum_catches_a_single_flipped_bit_anywhere() -> None:
 
 
 def test_pack_tensors_and_unpack_tensor_keep_vllms_call_and_meaning() -> None:
-    items = [("h", random_tensor((3, 5), torch.float16, 1)), ("f", random_tensor((7,), torch.float32, 2)),
-             ("g", random_tensor((100,), torch.float32, 3))]
+    items = [
+        ("h", random_tensor((3, 5), torch.float16, 1)),
+        ("f", random_tensor((7,), torch.float32, 2)),
+        ("g", random_tensor((100,), torch.float32, 3)),
+    ]
     it = iter(items)
     first = pack_tensors(it, lambda item: item[1], buffer_size_bytes=40)
     assert first is not None and first.names == ["h", "f"]  # stops after passing 40 bytes

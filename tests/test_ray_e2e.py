@@ -44,7 +44,9 @@ def start(actors: Any, n_workers: int, factory: Any = None, **worker_options: An
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "ipc", "direct"])
-def test_three_syncs_with_training_in_between_are_bit_exact(transport: str, actors: Any, no_shm_leftovers: None) -> None:
+def test_three_syncs_with_training_in_between_are_bit_exact(
+    transport: str, actors: Any, no_shm_leftovers: None
+) -> None:
     trainer, workers = start(actors, 2)
     with WeightSync(trainer, workers, transport=transport, buffer_bytes=64 * 1024, timeout_s=60) as ws:
         assert set(ws.transports().values()) == {transport}
@@ -91,7 +93,9 @@ class LoadingMixedModel(MixedModel):
 def test_mixed_sync_uses_broadcast_ipc_and_direct_in_one_call(actors: Any) -> None:
     trainer, workers = start(actors, 3)
     names = {"bcast": workers[0], "ipc": workers[1], "direct": workers[2]}
-    with WeightSync(trainer, names, transport={"bcast": "broadcast", "ipc": "ipc", "direct": "direct"}, buffer_bytes=100_000) as ws:
+    with WeightSync(
+        trainer, names, transport={"bcast": "broadcast", "ipc": "ipc", "direct": "direct"}, buffer_bytes=100_000
+    ) as ws:
         for version in (1, 2):
             get(trainer.call.remote(train_step, version))
             report = ws.sync(version)
@@ -114,7 +118,9 @@ def test_tied_weights_travel_once_and_stay_tied(actors: Any) -> None:
 # --- instrumented: one call per side per sync, and no slot rewritten while read ---------
 
 
-def _check_slot(receiver: Any, items: list[tuple[str, torch.Tensor]], state: dict[str, int], nbuf: int, nchunks: int) -> None:
+def _check_slot(
+    receiver: Any, items: list[tuple[str, torch.Tensor]], state: dict[str, int], nbuf: int, nchunks: int
+) -> None:
     """Hold chunk g's views until the trainer is blocked on this slot (or done), then check them."""
     snapshot = [t.clone() for _, t in items]
     g = state["g"]
@@ -171,7 +177,9 @@ class CountingTrainer(_Trainer):
 @pytest.mark.parametrize("nbuf", [1, 2])
 def test_ipc_slots_are_never_rewritten_while_a_worker_reads_and_each_side_gets_one_call(nbuf: int, actors: Any) -> None:
     # No tensor is split (the largest is 800 bytes), so every chunk reaches the sink.
-    trainer = actors.add(ray.remote(CountingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0, big=100)))
+    trainer = actors.add(
+        ray.remote(CountingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0, big=100))
+    )
     workers = [actors.add(ray.remote(CheckingWorker).options(num_cpus=0).remote(i + 1, nbuf)) for i in range(2)]
     with WeightSync(trainer, workers, transport="ipc", buffer_bytes=1024, num_buffers=nbuf) as ws:
         nchunks = len(ws.manifest.chunks)  # type: ignore[union-attr]
@@ -209,7 +217,11 @@ def test_demo_joins_an_existing_cluster_the_way_ray_job_submit_runs_it(ray_sessi
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, "-m", "weightsync", "demo", "--size", "1mb", "--steps", "2", "--workers", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ray: joined" in proc.stdout

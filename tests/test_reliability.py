@@ -24,11 +24,15 @@ from weightsync.transport.shm import ExportNotFound, ShmHandle, leftover_segment
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
-    return actors.add(TrainerActor.options(num_cpus=0).remote(factory or functools.partial(MixedModel, seed=0), **options))
+    return actors.add(
+        TrainerActor.options(num_cpus=0).remote(factory or functools.partial(MixedModel, seed=0), **options)
+    )
 
 
 def worker_of(actors: Any, factory: Any = None, **options: Any) -> Any:
-    return actors.add(WorkerActor.options(num_cpus=0).remote(factory or functools.partial(MixedModel, seed=1), **options))
+    return actors.add(
+        WorkerActor.options(num_cpus=0).remote(factory or functools.partial(MixedModel, seed=1), **options)
+    )
 
 
 # --- 1. handshake ------------------------------------------------------------------------
@@ -86,7 +90,10 @@ def test_handshake_refuses_differing_buffer_settings_by_name(actors: Any) -> Non
     trainer = trainer_of(actors)
     pinned = worker_of(actors, expect_buffer_bytes=1 << 20, expect_num_buffers=3)
     ws = WeightSync(trainer, {"pinned": pinned}, transport="broadcast", buffer_bytes=1 << 16, num_buffers=2)
-    with pytest.raises(SetupError, match=r"pinned.*buffer_bytes: trainer uses 65536, pinned was configured with 1048576; num_buffers: trainer uses 2, pinned was configured with 3"):
+    with pytest.raises(
+        SetupError,
+        match=r"pinned.*buffer_bytes: trainer uses 65536, pinned was configured with 1048576; num_buffers: trainer uses 2, pinned was configured with 3",
+    ):
         ws.setup()
     ws.close()
 
@@ -147,7 +154,9 @@ def test_worker_killed_mid_sync_is_named_dropped_and_the_rest_sync_again(transpo
     trainer = trainer_of(actors)
     healthy = worker_of(actors)
     doomed = worker_of(actors, functools.partial(CrashingModel, seed=2), sink="load_weights")
-    ws = WeightSync(trainer, {"healthy": healthy, "doomed": doomed}, transport=transport, buffer_bytes=1024, timeout_s=10)
+    ws = WeightSync(
+        trainer, {"healthy": healthy, "doomed": doomed}, transport=transport, buffer_bytes=1024, timeout_s=10
+    )
     ws.setup()
     get(trainer.call.remote(perturb, 1))
     ws.sync(1)
@@ -229,7 +238,9 @@ def test_versions_must_increase_unless_forced(actors: Any) -> None:
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
-def test_verify_catches_a_flipped_bit_names_worker_and_chunk_and_the_next_sync_repairs(transport: str, actors: Any) -> None:
+def test_verify_catches_a_flipped_bit_names_worker_and_chunk_and_the_next_sync_repairs(
+    transport: str, actors: Any
+) -> None:
     trainer = trainer_of(actors)
     clean = worker_of(actors)
     victim = worker_of(actors, functools.partial(MixedModel, seed=2))

@@ -92,7 +92,9 @@ def test_manifest_refuses_bad_buffer_settings() -> None:
 
 def test_validate_refuses_another_protocol_version_and_a_tampered_plan() -> None:
     m = Manifest.build(specs(), buffer_bytes=1024)
-    other = Manifest(m.specs, m.buffer_bytes, m.num_buffers, m.alignment, m.chunks, protocol_version=99, total_bytes=m.total_bytes)
+    other = Manifest(
+        m.specs, m.buffer_bytes, m.num_buffers, m.alignment, m.chunks, protocol_version=99, total_bytes=m.total_bytes
+    )
     with pytest.raises(ManifestError, match="protocol version mismatch: the trainer speaks 99"):
         other.validate()
     tampered = Manifest(m.specs, m.buffer_bytes, m.num_buffers, m.alignment, m.chunks[:0], total_bytes=m.total_bytes)
@@ -103,7 +105,9 @@ def test_validate_refuses_another_protocol_version_and_a_tampered_plan() -> None
 def test_buffer_expectations_name_the_worker_and_the_setting() -> None:
     m = Manifest.build(specs(), buffer_bytes=4096, num_buffers=2)
     m.check_buffer_expectations("worker-1", buffer_bytes=4096)
-    with pytest.raises(ManifestError, match="worker-1.*buffer_bytes: trainer uses 4096, worker-1 was configured with 8192"):
+    with pytest.raises(
+        ManifestError, match="worker-1.*buffer_bytes: trainer uses 4096, worker-1 was configured with 8192"
+    ):
         m.check_buffer_expectations("worker-1", buffer_bytes=8192)
     with pytest.raises(ManifestError, match="num_buffers: trainer uses 2, w was configured with 3"):
         m.check_buffer_expectations("w", num_buffers=3)

@@ -45,7 +45,9 @@ def test_gloo_broadcast_to_two_receivers_over_loopback_is_bit_exact(num_buffers:
         sender = WeightSender(model)
         manifest = sender.manifest(buffer_bytes, num_buffers)
         assert len(manifest.chunks) >= 4
-        sender.open_broadcast(GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store), 30.0)
+        sender.open_broadcast(
+            GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store), 30.0
+        )
         assert sender.broadcast is not None
         first_buffers = None
         for seed in SEEDS:
@@ -90,7 +92,9 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     assert not any(export.session in name for name in leftover_segments())
 
 
-def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None) -> None:
+def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
+    monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
+) -> None:
     """Break the producer on purpose (never wait for the slot): the same check must fire."""
     import weightsync.transport.ipc as ipc
 

@@ -104,8 +104,14 @@ def _communicator(spec: GroupSpec, device: torch.device, store: Any = None) -> A
         assert spec.nccl_id is not None
         return NcclCommunicator(spec.nccl_id, spec.rank, spec.world_size, device, spec.timeout_s)
     return GlooCommunicator(
-        spec.store_host, spec.store_port, spec.rank, spec.world_size, spec.name,
-        spec.timeout_s, bind_host=spec.store_host, store=store,
+        spec.store_host,
+        spec.store_port,
+        spec.rank,
+        spec.world_size,
+        spec.name,
+        spec.timeout_s,
+        bind_host=spec.store_host,
+        store=store,
     )
 
 
@@ -299,7 +305,10 @@ class WorkerMixin:
             bad = [i for i, (a, b) in enumerate(zip(received.checksums, expected)) if a != b]
             if bad or len(received.checksums) != len(expected):
                 receiver.fail()
-                which = ", ".join(f"chunk {i}" for i in bad) or f"{len(received.checksums)} checksums for {len(expected)} chunks"
+                which = (
+                    ", ".join(f"chunk {i}" for i in bad)
+                    or f"{len(received.checksums)} checksums for {len(expected)} chunks"
+                )
                 raise ChecksumMismatch(f"{receiver.name}: checksum mismatch ({which}): bytes corrupted in transit")
         receiver.commit(version)
         seconds = received.seconds if received is not None else 0.0
@@ -376,7 +385,9 @@ class _Worker(_ModelHost, WorkerMixin):
     model's ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` to pin
     the buffer settings this worker accepts."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu", sink: str = "module", **options: Any) -> None:
+    def __init__(
+        self, model_factory: Callable[[], nn.Module], device: str = "cpu", sink: str = "module", **options: Any
+    ) -> None:
         super().__init__(model_factory, device, **options)
         if sink == "load_weights":
             load = getattr(self.model, "load_weights", None)

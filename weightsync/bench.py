@@ -60,8 +60,13 @@ class Case:
 
     def row(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(median_s=self.median, min_s=min(self.times), max_s=max(self.times), gbps=self.gbps,
-                   fraction_of_raw_limit=(self.limit_s / self.median) if self.limit_s else None)
+        out.update(
+            median_s=self.median,
+            min_s=min(self.times),
+            max_s=max(self.times),
+            gbps=self.gbps,
+            fraction_of_raw_limit=(self.limit_s / self.median) if self.limit_s else None,
+        )
         return out
 
 
@@ -172,7 +177,9 @@ def _gloo_open_store(model: torch.nn.Module, host: str, world: int) -> int:
 def _gloo_join_root(model: torch.nn.Module, host: str, world: int) -> None:
     from weightsync.transport.gloo import GlooCommunicator
 
-    model._bench_comm = GlooCommunicator(host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=model._bench_store)  # type: ignore[assignment]
+    model._bench_comm = GlooCommunicator(
+        host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=model._bench_store
+    )  # type: ignore[assignment]
 
 
 def _gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> None:
@@ -276,7 +283,14 @@ class Bench:
                     self.ray.kill(handle)
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "cases": [c.row() for c in self.cases]}, fh, indent=2)
+                json.dump(
+                    {
+                        "args": {k: v for k, v in vars(args).items() if k != "func"},
+                        "cases": [c.row() for c in self.cases],
+                    },
+                    fh,
+                    indent=2,
+                )
             print(f"wrote {args.json}")
         if args.plot:
             self.plot(args.plot)
@@ -291,14 +305,30 @@ class Bench:
         manifest = self.get(trainer.ws_manifest.remote(args.buffer_mib[0] * MIB, 2, 256))
         nbytes = manifest.total_bytes
         copy_s = self.get(trainer.call.remote(_raw_copy_seconds, nbytes, args.repeats))
-        self.cases.append(Case(size, "raw limit: one copy of one buffer", nbytes, times=[copy_s] * 2, limit_s=copy_s,
-                               note=f"{len(manifest.specs)} tensors"))
+        self.cases.append(
+            Case(
+                size,
+                "raw limit: one copy of one buffer",
+                nbytes,
+                times=[copy_s] * 2,
+                limit_s=copy_s,
+                note=f"{len(manifest.specs)} tensors",
+            )
+        )
         self.show(self.cases[-1])
         version = [0]
 
-        def sync_case(name: str, transport: str, buffer_mib: int, nbuf: int, limit: float | None, members: list[Any]) -> None:
-            ws = WeightSync(trainer, members, transport=transport, buffer_bytes=buffer_mib * MIB, num_buffers=nbuf,
-                            timeout_s=self.timeout)
+        def sync_case(
+            name: str, transport: str, buffer_mib: int, nbuf: int, limit: float | None, members: list[Any]
+        ) -> None:
+            ws = WeightSync(
+                trainer,
+                members,
+                transport=transport,
+                buffer_bytes=buffer_mib * MIB,
+                num_buffers=nbuf,
+                timeout_s=self.timeout,
+            )
             try:
                 ws.setup()
             except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
@@ -327,7 +357,14 @@ class Bench:
         if "broadcast" in args.transports and not cuda:
             raw = self.gloo_case(size, trainer, workers, nbytes, per_tensor=False)
             for n in sorted({1, len(workers)}):
-                sync_case(f"weightsync broadcast, {n} receiver(s)", "broadcast", first, 2, raw if n == len(workers) else None, workers[:n])
+                sync_case(
+                    f"weightsync broadcast, {n} receiver(s)",
+                    "broadcast",
+                    first,
+                    2,
+                    raw if n == len(workers) else None,
+                    workers[:n],
+                )
             if not args.quick:
                 for buffer_mib in args.buffer_mib[1:]:
                     sync_case("weightsync broadcast (knobs)", "broadcast", buffer_mib, 2, raw, workers)
@@ -335,22 +372,32 @@ class Bench:
                     sync_case("weightsync broadcast (knobs)", "broadcast", first, nbuf, raw, workers)
             self.gloo_case(size, trainer, workers, nbytes, per_tensor=True, limit=raw)
         if cuda and "naive" in args.transports:
+
             def naive() -> None:
                 handles = self.get(trainer.call.remote(_export_per_tensor))
                 self.get(workers[0].call.remote(_import_per_tensor, handles))
 
-            self.timed(Case(size, "naive: one CUDA IPC handle per tensor", nbytes, limit_s=copy_s), lambda: naive(), parties)
+            self.timed(
+                Case(size, "naive: one CUDA IPC handle per tensor", nbytes, limit_s=copy_s), lambda: naive(), parties
+            )
         if "objectstore" in args.transports and nbytes <= args.object_store_max_mb * 1e6:
+
             def object_store() -> None:
                 self.get(workers[0].call.remote(_load_state, trainer.call.remote(_state_cpu)))
 
-            self.timed(Case(size, "ray object store (put/get state dict)", nbytes, limit_s=copy_s), lambda: object_store(), parties)
+            self.timed(
+                Case(size, "ray object store (put/get state dict)", nbytes, limit_s=copy_s),
+                lambda: object_store(),
+                parties,
+            )
 
     def reference_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float, buffer_mib: int) -> None:
         """The reference design: one slot, pack then consume, a Ray round trip each, per chunk."""
         from weightsync.coordinator import WeightSync
 
-        ws = WeightSync(trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout)
+        ws = WeightSync(
+            trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout
+        )
         manifest = ws.setup()
 
         def one() -> None:
@@ -358,20 +405,39 @@ class Bench:
                 handle = self.get(trainer.ws_pack_ipc_chunk.remote(chunk.index, 0))
                 self.get(worker.ws_consume_ipc_chunk.remote(handle))
 
-        self.timed(Case(size, "reference: 1 slot, serialized via Ray", nbytes, buffer_mib, 1, limit_s=copy_s,
-                        note=f"{len(manifest.chunks)} chunks"), one, [trainer, worker])
+        self.timed(
+            Case(
+                size,
+                "reference: 1 slot, serialized via Ray",
+                nbytes,
+                buffer_mib,
+                1,
+                limit_s=copy_s,
+                note=f"{len(manifest.chunks)} chunks",
+            ),
+            one,
+            [trainer, worker],
+        )
         ws.close()
 
-    def gloo_case(self, size: str, trainer: Any, workers: list[Any], nbytes: int, per_tensor: bool, limit: float | None = None) -> float:
+    def gloo_case(
+        self, size: str, trainer: Any, workers: list[Any], nbytes: int, per_tensor: bool, limit: float | None = None
+    ) -> float:
         world = len(workers) + 1
         port = self.get(trainer.call.remote(_gloo_open_store, "127.0.0.1", world))
-        self.get([trainer.call.remote(_gloo_join_root, "127.0.0.1", world)]
-                 + [w.call.remote(_gloo_join, "127.0.0.1", port, r, world) for r, w in enumerate(workers, start=1)])
+        self.get(
+            [trainer.call.remote(_gloo_join_root, "127.0.0.1", world)]
+            + [w.call.remote(_gloo_join, "127.0.0.1", port, r, world) for r, w in enumerate(workers, start=1)]
+        )
 
         def one() -> None:
             self.get([p.call.remote(_gloo_broadcast, per_tensor, nbytes) for p in [trainer, *workers]])
 
-        name = "naive: one gloo broadcast per tensor" if per_tensor else f"raw limit: one gloo broadcast, {len(workers)} recv"
+        name = (
+            "naive: one gloo broadcast per tensor"
+            if per_tensor
+            else f"raw limit: one gloo broadcast, {len(workers)} recv"
+        )
         case = self.timed(Case(size, name, nbytes, limit_s=limit), one, [trainer, workers[0]])
         self.get([p.call.remote(_gloo_close) for p in [trainer, *workers]])
         if not per_tensor:
@@ -390,8 +456,11 @@ class Bench:
         fig, ax = plt.subplots(figsize=(7, 4))
         for size in dict.fromkeys(c.size for c in self.cases):
             for nbuf in (1, 2, 3):
-                pts = sorted((c.buffer_mib, c.gbps) for c in self.cases
-                             if c.size == size and c.num_buffers == nbuf and c.name.startswith("weightsync ipc"))
+                pts = sorted(
+                    (c.buffer_mib, c.gbps)
+                    for c in self.cases
+                    if c.size == size and c.num_buffers == nbuf and c.name.startswith("weightsync ipc")
+                )
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{size} ipc, {nbuf} buffer(s)")
         ax.set_xscale("log", base=2)
@@ -405,16 +474,32 @@ class Bench:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--sizes", type=lambda s: s.split(","), default=None,
-                        help=f"comma-separated model sizes from {', '.join(SIZES)} (default: cpu 1mb,100mb,1gb; cuda 100mb,1gb,16gb)")
-    parser.add_argument("--transports", type=lambda s: s.split(","), default=["ipc", "direct", "broadcast", "naive", "objectstore"],
-                        help="cases to run: ipc,direct,broadcast,naive,objectstore")
-    parser.add_argument("--buffer-mib", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                        help="buffer sizes in MiB; the first is the default for the main cases (default 256,64,1024,2048)")
-    parser.add_argument("--workers", type=int, default=2, help="workers (broadcast receivers); colocated cases use the first")
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: s.split(","),
+        default=None,
+        help=f"comma-separated model sizes from {', '.join(SIZES)} (default: cpu 1mb,100mb,1gb; cuda 100mb,1gb,16gb)",
+    )
+    parser.add_argument(
+        "--transports",
+        type=lambda s: s.split(","),
+        default=["ipc", "direct", "broadcast", "naive", "objectstore"],
+        help="cases to run: ipc,direct,broadcast,naive,objectstore",
+    )
+    parser.add_argument(
+        "--buffer-mib",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="buffer sizes in MiB; the first is the default for the main cases (default 256,64,1024,2048)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="workers (broadcast receivers); colocated cases use the first"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument("--quick", action="store_true", help="skip the buffer-size / buffer-count sweep")
-    parser.add_argument("--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size")
+    parser.add_argument(
+        "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--address")
     parser.add_argument("--num-cpus", type=int, default=None)

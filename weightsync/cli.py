@@ -61,8 +61,13 @@ def demo(args: argparse.Namespace) -> int:
     ok = True
     try:
         ws = WeightSync(
-            trainer, workers, transport=args.transport, buffer_bytes=args.buffer_mib,
-            num_buffers=args.num_buffers, timeout_s=args.timeout, verify=args.verify,
+            trainer,
+            workers,
+            transport=args.transport,
+            buffer_bytes=args.buffer_mib,
+            num_buffers=args.num_buffers,
+            timeout_s=args.timeout,
+            verify=args.verify,
         )
         manifest = ws.setup()
         _print(
@@ -94,8 +99,10 @@ def demo(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=2)
-        _print(f"demo {'passed' if ok else 'FAILED'}: {args.steps} syncs to {args.workers} worker(s), "
-               f"every worker {'bit-exact with' if ok else 'checked against'} the trainer after each")
+        _print(
+            f"demo {'passed' if ok else 'FAILED'}: {args.steps} syncs to {args.workers} worker(s), "
+            f"every worker {'bit-exact with' if ok else 'checked against'} the trainer after each"
+        )
     finally:
         for handle in [trainer, *workers.values()]:
             ray.kill(handle)

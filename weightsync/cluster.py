@@ -33,7 +33,12 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         return {"mode": "joined", "address": address}
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "runtime_env": runtime_env, "log_to_driver": False}
+    kwargs: dict[str, Any] = {
+        "address": "local",
+        "include_dashboard": False,
+        "runtime_env": runtime_env,
+        "log_to_driver": False,
+    }
     if num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
     if num_gpus is not None:

@@ -289,15 +289,21 @@ class WeightSync:
         self._sync_seq = 0
         log.info(
             "weightsync: set up %d worker(s) %s, %d tensors, %.1f MB, %d chunk(s) of %d bytes",
-            len(names), self.transports(), len(manifest.specs), manifest.total_bytes / 1e6,
-            len(manifest.chunks), manifest.buffer_bytes,
+            len(names),
+            self.transports(),
+            len(manifest.specs),
+            manifest.total_bytes / 1e6,
+            len(manifest.chunks),
+            manifest.buffer_bytes,
         )
         return manifest
 
     def _choose(self, trainer: EndpointInfo, w: _Worker) -> str:
         assert w.info is not None
-        same_device = trainer.node_id == w.info.node_id and trainer.device == w.info.device and (
-            trainer.device == "cpu" or trainer.gpu_uuid == w.info.gpu_uuid
+        same_device = (
+            trainer.node_id == w.info.node_id
+            and trainer.device == w.info.device
+            and (trainer.device == "cpu" or trainer.gpu_uuid == w.info.gpu_uuid)
         )
         if w.requested == "auto":
             if same_device:
@@ -329,41 +335,70 @@ class WeightSync:
         world = len(members) + 1
         backend = self.backend or ("nccl" if trainer.device == "cuda" else "gloo")
         group = f"weightsync-{uuid.uuid4().hex[:8]}"
-        host, port = self._get(self.trainer.ws_open_store.remote(world, self.timeout_s, trainer.node_ip), "opening the rendezvous store", SetupError)
-        nccl_id = self._get(self.trainer.ws_nccl_id.remote(), "making the NCCL id", SetupError) if backend == "nccl" else None
-        calls = {"trainer": self.trainer.ws_join_broadcast.remote(GroupSpec(group, host, port, 0, world, self.timeout_s, backend, nccl_id))}
+        host, port = self._get(
+            self.trainer.ws_open_store.remote(world, self.timeout_s, trainer.node_ip),
+            "opening the rendezvous store",
+            SetupError,
+        )
+        nccl_id = (
+            self._get(self.trainer.ws_nccl_id.remote(), "making the NCCL id", SetupError) if backend == "nccl" else None
+        )
+        calls = {
+            "trainer": self.trainer.ws_join_broadcast.remote(
+                GroupSpec(group, host, port, 0, world, self.timeout_s, backend, nccl_id)
+            )
+        }
         for rank, w in enumerate(members, start=1):
             w.rank = rank
-            calls[w.name] = w.handle.ws_join_broadcast.remote(GroupSpec(group, host, port, rank, world, self.timeout_s, backend, nccl_id))
+            calls[w.name] = w.handle.ws_join_broadcast.remote(
+                GroupSpec(group, host, port, rank, world, self.timeout_s, backend, nccl_id)
+            )
         _, errors, _ = self._gather(calls, self._ray_timeout())
         if errors:
             self._teardown(abort=True)
-            raise SetupError("forming the broadcast group failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+            raise SetupError(
+                "forming the broadcast group failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
+            )
 
     def _open_ipc(self) -> None:
         members = self._members("ipc")
         if not members:
             return
-        export = self._get(self.trainer.ws_export_ipc.remote([w.name for w in members], self.timeout_s), "exporting IPC slots", SetupError)
+        export = self._get(
+            self.trainer.ws_export_ipc.remote([w.name for w in members], self.timeout_s),
+            "exporting IPC slots",
+            SetupError,
+        )
         for index, w in enumerate(members):
             w.ipc_index = index
         _, errors, _ = self._gather(
-            {w.name: w.handle.ws_attach_ipc.remote(export, w.ipc_index, self.timeout_s) for w in members}, self._ray_timeout()
+            {w.name: w.handle.ws_attach_ipc.remote(export, w.ipc_index, self.timeout_s) for w in members},
+            self._ray_timeout(),
         )
         if errors:
             self._teardown(abort=True)
-            raise SetupError("attaching IPC slots failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+            raise SetupError(
+                "attaching IPC slots failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
+            )
         self._get(self.trainer.ws_seal_ipc.remote(), "sealing IPC exports", SetupError)
 
     def _open_direct(self) -> None:
         members = self._members("direct")
         if not members:
             return
-        exports, errors, _ = self._gather({w.name: w.handle.ws_export_direct.remote() for w in members}, self._ray_timeout())
+        exports, errors, _ = self._gather(
+            {w.name: w.handle.ws_export_direct.remote() for w in members}, self._ray_timeout()
+        )
         if errors:
             self._teardown(abort=True)
-            raise SetupError("exporting direct targets failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
-        self._get([self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members], "mapping direct targets", SetupError)
+            raise SetupError(
+                "exporting direct targets failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
+            )
+        self._get(
+            [self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members],
+            "mapping direct targets",
+            SetupError,
+        )
         self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports", SetupError)
 
     # sync ---------------------------------------------------------------------------------
@@ -407,7 +442,11 @@ class WeightSync:
         for w in direct:
             calls[(w.name, "begin")] = w.handle.ws_begin_direct.remote(version, force)
         trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast), [w.ipc_index for w in ipc], self._sync_seq, [w.name for w in direct], verify,
+            bool(bcast),
+            [w.ipc_index for w in ipc],
+            self._sync_seq,
+            [w.name for w in direct],
+            verify,
             *[calls[(w.name, "begin")] for w in direct],
         )
         calls[("trainer", "send")] = trainer_ref
@@ -419,7 +458,9 @@ class WeightSync:
             received = calls.get((w.name, "receive"))
             args = (version, w.transport, verify, trainer_ref) + ((received,) if received is not None else ())
             calls[(w.name, "commit")] = w.handle.ws_commit.remote(*args)
-        results, errors, dead = self._gather({f"{n}/{phase}": ref for (n, phase), ref in calls.items()}, self._ray_timeout())
+        results, errors, dead = self._gather(
+            {f"{n}/{phase}": ref for (n, phase), ref in calls.items()}, self._ray_timeout()
+        )
         if errors:
             self._fail(*self._attribute(errors, dead), "during the transfer")
         self._sync_seq += 1

@@ -106,7 +106,9 @@ class WeightSender:
         """Fix the wire contract for this session (recomputed only when settings change)."""
         current = self._manifest
         if current is None or (current.buffer_bytes, current.num_buffers, current.alignment) != (
-            buffer_bytes, num_buffers, alignment
+            buffer_bytes,
+            num_buffers,
+            alignment,
         ):
             self.close_transports()
             self._manifest = Manifest.build(self.specs(), buffer_bytes, num_buffers, alignment)
@@ -134,9 +136,7 @@ class WeightSender:
 
     def digest(self) -> str:
         manifest = self.current_manifest
-        return digest_tensors(
-            [(s.name, t.to(s.torch_dtype)) for s, t in zip(manifest.specs, self.sources())]
-        )
+        return digest_tensors([(s.name, t.to(s.torch_dtype)) for s, t in zip(manifest.specs, self.sources())])
 
     # transports ------------------------------------------------------------------------
     def open_broadcast(self, comm: Communicator, timeout_s: float) -> None:
@@ -279,7 +279,9 @@ class WeightReceiver:
             raise WeightSyncError(f"{self.name}: no IPC export attached")
         return self.ipc.receive(sync_seq, self.unpacker(), self.sink.consume, verify)
 
-    def consume_ipc_chunk(self, handle: ChunkHandle, unpacker: ChunkUnpacker | None = None, verify: bool = False) -> int | None:
+    def consume_ipc_chunk(
+        self, handle: ChunkHandle, unpacker: ChunkUnpacker | None = None, verify: bool = False
+    ) -> int | None:
         if self.ipc is None:
             raise WeightSyncError(f"{self.name}: no IPC export attached")
         return self.ipc.consume(handle, unpacker or self.unpacker(), self.sink.consume, verify)

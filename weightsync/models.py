@@ -112,7 +112,9 @@ class PolicyFactory:
         return build_policy(self.cfg, self.device)
 
 
-def synthetic_batch(cfg: PolicyConfig, step: int, batch: int = 8, length: int = 64, device: str | torch.device = "cpu") -> torch.Tensor:
+def synthetic_batch(
+    cfg: PolicyConfig, step: int, batch: int = 8, length: int = 64, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Token sequences with a learnable pattern (each token predicts the next arithmetically).
 
     Batches cycle through four fixed ones, so a few steps visibly lower the loss.

@@ -31,9 +31,7 @@ def align_up(offset: int, alignment: int) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
 
-def plan_chunks(
-    specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int
-) -> tuple[Chunk, ...]:
+def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
     """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
 
     Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
@@ -274,8 +272,7 @@ def unpack_tensor(
         expected = math.prod(shape) * dtype.itemsize
         if expected != size:
             raise ValueError(
-                f"tensor {name!r}: shape {list(shape)} of {dtype} needs {expected} bytes, "
-                f"but tensor_sizes says {size}"
+                f"tensor {name!r}: shape {list(shape)} of {dtype} needs {expected} bytes, but tensor_sizes says {size}"
             )
         piece = packed_tensor[offset : offset + size]
         if (piece.storage_offset() * piece.element_size()) % dtype.itemsize:

@@ -76,8 +76,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     """Resolve a wire dtype name through the allow-list, refusing anything else."""
     if not isinstance(name, str) or name not in ALLOWED_DTYPES:
         raise UnsupportedDtypeError(
-            f"dtype {name!r} is not one weightsync can transfer; allowed: "
-            f"{', '.join(sorted(ALLOWED_DTYPES))}"
+            f"dtype {name!r} is not one weightsync can transfer; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
         )
     return ALLOWED_DTYPES[name]
 
@@ -105,9 +104,7 @@ class TensorSpec:
             raise ManifestError(f"tensor name must be a non-empty string, got {self.name!r}")
         shape = tuple(self.shape)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-            raise ManifestError(
-                f"tensor {self.name!r}: shape {self.shape!r} must be non-negative integers"
-            )
+            raise ManifestError(f"tensor {self.name!r}: shape {self.shape!r} must be non-negative integers")
         object.__setattr__(self, "shape", shape)
         dtype_from_name(self.dtype)
 
@@ -226,8 +223,7 @@ class Manifest:
         problems = spec_mismatches(self.specs, local, who)
         if problems:
             raise ManifestError(
-                f"{who} does not match the trainer's manifest ({len(problems)} problem(s)):\n  "
-                + "\n  ".join(problems)
+                f"{who} does not match the trainer's manifest ({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
             )
 
     def check_buffer_expectations(
@@ -257,13 +253,11 @@ class Manifest:
 def check_buffer_settings(buffer_bytes: int, num_buffers: int, alignment: int) -> None:
     if not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
         raise ManifestError(
-            f"alignment must be a power of two of at least 16 bytes (the widest dtype), "
-            f"got {alignment!r}"
+            f"alignment must be a power of two of at least 16 bytes (the widest dtype), got {alignment!r}"
         )
     if not isinstance(buffer_bytes, int) or buffer_bytes < alignment:
         raise ManifestError(
-            f"buffer_bytes must be an integer of at least the alignment ({alignment}), "
-            f"got {buffer_bytes!r}"
+            f"buffer_bytes must be an integer of at least the alignment ({alignment}), got {buffer_bytes!r}"
         )
     if not isinstance(num_buffers, int) or num_buffers < 1:
         raise ManifestError(f"num_buffers must be a positive integer, got {num_buffers!r}")
@@ -287,9 +281,7 @@ def check_specs(specs: Sequence[TensorSpec]) -> None:
         raise ManifestError(f"duplicate tensor names in manifest: {', '.join(duplicates)}")
 
 
-def spec_mismatches(
-    expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str = "worker"
-) -> list[str]:
+def spec_mismatches(expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str = "worker") -> list[str]:
     """Every difference between two spec lists, one readable line per tensor."""
     theirs = {s.name: s for s in expected}
     mine = {s.name: s for s in local}

@@ -115,9 +115,7 @@ class BroadcastSender(_PackedBroadcast):
 class BroadcastReceiver(_PackedBroadcast):
     """Ranks 1..N: receive every chunk and unpack it into the sink."""
 
-    def receive(
-        self, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False
-    ) -> list[int]:
+    def receive(self, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False) -> list[int]:
         deadline = time.monotonic() + self.timeout_s
         buffers = self.buffers()
         chunks = self.manifest.chunks

@@ -169,4 +169,3 @@ class DirectWriter:
     def close(self) -> None:
         for worker in list(self._exports):
             self.forget(worker)
-

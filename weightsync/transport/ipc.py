@@ -138,8 +138,12 @@ class ChunkHandle:
 
 
 def _wait(
-    predicate: Callable[[], bool], deadline: float, control: np.ndarray, me: str,
-    what: Callable[[], str], names: Sequence[str],
+    predicate: Callable[[], bool],
+    deadline: float,
+    control: np.ndarray,
+    me: str,
+    what: Callable[[], str],
+    names: Sequence[str],
 ) -> None:
     """Spin, then back off, until ``predicate``; raise on the peer's abort flag or the deadline.
 
@@ -212,15 +216,11 @@ class IpcSender:
         if self._slots is None or self._export is None:
             raise WeightSyncError(f"{self.name}: export() must run before packing")
         if not 0 <= slot < self.manifest.num_buffers:
-            raise WeightSyncError(
-                f"{self.name}: slot {slot} out of range (0..{self.manifest.num_buffers - 1})"
-            )
+            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{self.manifest.num_buffers - 1})")
         size = self.manifest.buffer_bytes
         return self._slots.tensor[slot * size : (slot + 1) * size]
 
-    def pack(
-        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False
-    ) -> ChunkHandle:
+    def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
         """Pack chunk ``chunk_index`` into ``slot`` and make it visible before returning."""
         assert self._export is not None
         if not 0 <= chunk_index < len(self.manifest.chunks):
@@ -264,14 +264,21 @@ class IpcSender:
                 slot = g % nbuf
                 need = g - nbuf + 1
 
-                def slot_free() -> bool:
+                def slot_free(need: int = need) -> bool:
                     return all(int(control[_FIRST_CONSUMER + c]) >= need for c in consumers)
 
                 if not slot_free():
                     control[_WAITING] = g + 1
-                    _wait(slot_free, deadline, control, self.name,
-                          lambda: f"{self._lagging(consumers, need)} to release slot {slot} before chunk {chunk.index}",
-                          names)
+                    _wait(
+                        slot_free,
+                        deadline,
+                        control,
+                        self.name,
+                        lambda need=need, slot=slot, k=chunk.index: (
+                            f"{self._lagging(consumers, need)} to release slot {slot} before chunk {k}"
+                        ),
+                        names,
+                    )
                     control[_WAITING] = 0
                 handle = self.pack(chunk.index, slot, sources, verify)
                 if verify:
@@ -284,7 +291,11 @@ class IpcSender:
             final = base + len(self.manifest.chunks)
             _wait(
                 lambda: all(int(control[_FIRST_CONSUMER + c]) >= final for c in consumers),
-                deadline, control, self.name, lambda: f"{self._lagging(consumers, final)} to finish the last chunk", names,
+                deadline,
+                control,
+                self.name,
+                lambda: f"{self._lagging(consumers, final)} to finish the last chunk",
+                names,
             )
         except BaseException:
             if not int(control[_ABORT]):  # the first failure is the one to name
@@ -380,8 +391,13 @@ class IpcReceiver:
         return self._read(chunk.index, self._slot(handle.slot), unpacker, deliver, verify, handle.checksum)
 
     def _read(
-        self, chunk_index: int, buffer: torch.Tensor, unpacker: ChunkUnpacker, deliver: Deliver,
-        verify: bool, expected: int | None,
+        self,
+        chunk_index: int,
+        buffer: torch.Tensor,
+        unpacker: ChunkUnpacker,
+        deliver: Deliver,
+        verify: bool,
+        expected: int | None,
     ) -> int | None:
         chunk = self.manifest.chunks[chunk_index]
         handed = unpacker.unpack(chunk, buffer)
@@ -404,9 +420,7 @@ class IpcReceiver:
             )
         return checksum
 
-    def receive(
-        self, sync_seq: int, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False
-    ) -> list[int]:
+    def receive(self, sync_seq: int, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False) -> list[int]:
         """Take every chunk as the producer publishes it (the per-sync partner of ``send``)."""
         if self._export is None or self._control_np is None:
             raise WeightSyncError(f"{self.name}: attach() must run before receive()")
@@ -429,8 +443,14 @@ class IpcReceiver:
                 )
             for chunk in self.manifest.chunks:
                 g = base + chunk.index
-                _wait(lambda: int(control[_PUBLISHED]) > g, deadline, control, self.name,
-                      lambda: f"the trainer to publish chunk {chunk.index}", names)
+                _wait(
+                    lambda g=g: int(control[_PUBLISHED]) > g,
+                    deadline,
+                    control,
+                    self.name,
+                    lambda k=chunk.index: f"the trainer to publish chunk {k}",
+                    names,
+                )
                 expected = None
                 if verify:
                     expected = int(np.int64(control[csum_at + g % nbuf]).view(np.uint64))

@@ -24,8 +24,7 @@ def _nccl() -> Any:
         from cupy.cuda import nccl
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise WeightSyncError(
-            "the NCCL transport needs CuPy with NCCL: pip install 'weightsync[cuda12]' "
-            f"(or [cuda13]) ({exc})"
+            f"the NCCL transport needs CuPy with NCCL: pip install 'weightsync[cuda12]' (or [cuda13]) ({exc})"
         ) from exc
     if not getattr(nccl, "available", True):
         raise WeightSyncError("CuPy is installed but cannot load NCCL; install nvidia-nccl-cu12 or -cu13")
@@ -55,7 +54,9 @@ class _StreamOrdered:
 class NcclCommunicator:
     """One rank of an NCCL group on ``device`` (blocks until every rank has joined)."""
 
-    def __init__(self, unique_id: tuple[int, ...], rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, unique_id: tuple[int, ...], rank: int, world_size: int, device: torch.device, timeout_s: float
+    ) -> None:
         import cupy
 
         nccl = _nccl()

@@ -1,0 +1,42 @@
+"""Colocated layout: trainer and workers share one GPU through a placement group.
+
+Each actor holds a fraction of the GPU; weightsync sees the same GPU UUID on both sides
+and picks `direct` (one copy into the worker's parameters) or `ipc` for load_weights
+workers. NCCL is never used on a shared GPU (it refuses two ranks there).
+
+    .venv/bin/python examples/colocated_gpu.py   # on a machine with a GPU
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import weightsync
+from weightsync.cluster import connect
+from weightsync.models import PolicyFactory, train_step
+
+
+def main(workers: int = 2) -> None:
+    connect()
+    share = 1.0 / (workers + 1)
+    pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    place = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    opts = {"num_gpus": share, "num_cpus": 0, "scheduling_strategy": place}
+    trainer = weightsync.TrainerActor.options(**opts).remote(PolicyFactory("100mb", 0, "cuda"), device="cuda")
+    inference = [
+        weightsync.WorkerActor.options(**opts).remote(PolicyFactory("100mb", i + 1, "cuda"), device="cuda")
+        for i in range(workers)
+    ]
+    with weightsync.WeightSync(trainer, inference, buffer_bytes=256 << 20) as ws:
+        print("transports:", ws.transports())
+        for step in range(1, 4):
+            ray.get(trainer.call.remote(train_step, step), timeout=120)
+            print(ws.sync(version=step).summary())
+        ws.verify()
+
+
+if __name__ == "__main__":
+    main()
