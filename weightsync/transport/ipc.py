@@ -235,7 +235,7 @@ class IpcSender:
             self.streams.wait_for(slot, caller)
             pack_chunk(chunk, self.manifest.specs, sources, buffer)
             checksum = byte_checksum(buffer, chunk.nbytes) if verify else None
-        self.streams.drain(deadline, f"{self.name}: packing chunk {chunk_index} timed out")
+        self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out")
         return ChunkHandle(self._export.session, slot, chunk_index, chunk.nbytes, checksum)
 
     def send(

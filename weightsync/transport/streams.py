@@ -69,6 +69,11 @@ class SlotStreams:
     def stream_pointer(self, slot: int) -> int:
         return int(self._streams[slot].cuda_stream) if self._streams else 0
 
+    def drain_slot(self, slot: int, deadline: float, on_timeout: str) -> None:
+        """Wait, up to ``deadline``, for one slot's queued work only."""
+        if self._streams:
+            wait_for_stream(self._streams[slot], deadline, on_timeout)
+
     def drain(self, deadline: float, on_timeout: str) -> None:
         """Wait, up to ``deadline`` (time.monotonic), for every slot's queued work."""
         for stream in self._streams:
