@@ -207,10 +207,10 @@ def test_direct_reexports_a_swapped_parameter_and_never_writes_stale(actors: Any
 
 
 class ExitingWorker(GpuWorker):
-    def ws_begin_direct(self, version: int, force: bool = False) -> Any:
+    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
         if version == 2:
             os._exit(3)
-        return super().ws_begin_direct(version, force)
+        return super().ws_receive_direct(version, sync_seq, force)
 
 
 def test_direct_worker_killed_during_the_sync_is_named_and_the_trainer_stays_usable(actors: Any) -> None:
@@ -252,3 +252,50 @@ def test_direct_casts_fp32_master_weights_to_bf16_in_the_one_copy(actors: Any) -
 
 def _as_dtype(dtype: str, seed: int) -> nn.Module:
     return PolicyFactory("1mb", seed, "cpu")().to(getattr(torch, dtype))
+
+
+class DiesMidReceive(GpuWorker):
+    """Queues the first chunks' copies out (their events recorded), then dies on chunk 2."""
+
+    def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> Any:
+        if version == 2:
+            receiver = self._wr()
+            original = receiver.unpacker
+
+            def dying_unpacker() -> Any:
+                unpacker = original()
+                inner = unpacker.unpack
+
+                def unpack(chunk: Any, buffer: torch.Tensor) -> Any:
+                    if chunk.index == 2:
+                        os._exit(3)
+                    return inner(chunk, buffer)
+
+                unpacker.unpack = unpack
+                return unpacker
+
+            receiver.unpacker = dying_unpacker
+        return super().ws_receive_ipc(version, sync_seq, verify, force)
+
+
+def test_ipc_worker_killed_with_copies_in_flight_leaves_the_trainer_usable(actors: Any) -> None:
+    """The trainer's stream waits on the dead worker's events: it must not wedge later syncs."""
+    opts = {"num_cpus": 0, "num_gpus": 1 / 3}
+    trainer = actors.add(ray.remote(GpuTrainer).options(**opts).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda"))
+    doomed = actors.add(
+        ray.remote(DiesMidReceive).options(**opts).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda")
+    )
+    healthy = actors.add(ray.remote(GpuWorker).options(**opts).remote(PolicyFactory("30mb", 2, "cuda"), device="cuda"))
+    ws = WeightSync(
+        trainer, {"doomed": doomed, "healthy": healthy}, transport="ipc", buffer_bytes=1 << 20, timeout_s=30
+    )
+    ws.sync(1)
+    get(trainer.call.remote(train_step, 2))
+    with pytest.raises(SyncError) as info:
+        ws.sync(2)
+    assert info.value.dead == ["doomed"]
+    for version in (3, 4):
+        get(trainer.call.remote(train_step, version))
+        assert ws.sync(version).workers[0].version == version
+    assert_workers_match(trainer, [healthy])
+    ws.close()

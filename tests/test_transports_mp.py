@@ -98,13 +98,13 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
     """Break the producer on purpose (never wait for the slot): the same check must fire."""
     import weightsync.transport.ipc as ipc
 
-    def no_wait(predicate, deadline, control, me, what, names):  # type: ignore[no-untyped-def]
+    def no_wait(predicate, deadline, control, me, what, names, **kw):  # type: ignore[no-untyped-def]
         if "release slot" in what():
             return
-        return original(predicate, deadline, control, me, what, names)
+        return original(predicate, deadline, control, me, what, names, **kw)
 
-    original = ipc._wait
-    monkeypatch.setattr(ipc, "_wait", no_wait)
+    original = ipc.wait_until
+    monkeypatch.setattr(ipc, "wait_until", no_wait)
     model = Holder(seed=0)
     sender = WeightSender(model)
     sender.manifest(8192, 1)

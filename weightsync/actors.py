@@ -70,6 +70,8 @@ class ReceiveResult:
     state: str
     checksums: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    #: Direct transport: tensors whose storage moved since the export (nothing written).
+    moved: list[str] = field(default_factory=list)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -166,25 +168,20 @@ class TrainerMixin:
         self._ws().map_direct(export, timeout_s)
 
     def ws_send(
-        self,
-        broadcast: bool,
-        ipc_consumers: list[int],
-        sync_seq: int,
-        direct: list[str],
-        verify: bool,
-        *direct_exports: DirectExport | None,
+        self, broadcast: bool, ipc_consumers: list[int], sync_seq: int, direct: list[str], verify: bool
     ) -> dict[str, Any]:
         """One sync on the trainer: direct writes, then IPC, then the broadcast.
 
-        ``direct_exports`` are the direct workers' answers to ``ws_begin_direct`` (a fresh
-        export, or None), passed as Ray object refs so this call starts as soon as they
-        are ready, without a round trip through the coordinator.
+        Each worker's receive call runs alongside this one; the colocated transports meet
+        it through their control blocks, with no Ray round trip in between. Returns the
+        checksums per transport (with ``verify``), the direct workers skipped because their
+        tensors moved (``direct_stale``), and the seconds spent here.
         """
         sender = self._ws()
         start = time.perf_counter()
-        out: dict[str, Any] = {"broadcast": [], "ipc": []}
-        for worker, export in zip(direct, direct_exports, strict=True):
-            sender.write_direct(worker, export)
+        out: dict[str, Any] = {"broadcast": [], "ipc": [], "direct_stale": []}
+        if direct:
+            out["direct_stale"] = sender.write_direct(direct, sync_seq)
         if ipc_consumers:
             out["ipc"] = sender.send_ipc(sync_seq, ipc_consumers, verify)
         if broadcast:
@@ -248,8 +245,8 @@ class WorkerMixin:
     def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> None:
         self._wr().attach_ipc(export, index, timeout_s)
 
-    def ws_export_direct(self) -> DirectExport:
-        return self._wr().export_direct()
+    def ws_export_direct(self, timeout_s: float = 60.0) -> DirectExport:
+        return self._wr().export_direct(timeout_s)
 
     def ws_seal_direct(self) -> None:
         receiver = self._wr()
@@ -282,15 +279,17 @@ class WorkerMixin:
     def ws_consume_ipc_chunk(self, handle: ChunkHandle) -> None:
         self._wr().consume_ipc_chunk(handle)
 
-    def ws_begin_direct(self, version: int, force: bool = False) -> DirectExport | None:
-        """Enter RECEIVING for a direct write; returns a fresh export if storage moved."""
-        receiver = self._wr()
-        receiver.begin(version, force)
-        try:
-            return receiver.refresh_direct()
-        except BaseException:
-            receiver.fail()
-            raise
+    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> ReceiveResult:
+        """The worker's side of a direct sync: announce, wait for the write, commit.
+
+        Returns with ``moved`` set (version unchanged) when its tensors' storage moved
+        since the export; the coordinator then re-exports and syncs this worker again.
+        """
+        start = time.perf_counter()
+        moved = self._wr().receive_direct(version, sync_seq, force)
+        result = self._result([], start)
+        result.moved = moved
+        return result
 
     def ws_commit(
         self, version: int, transport: str, verify: bool, sent: dict[str, Any], received: ReceiveResult | None = None

@@ -45,6 +45,8 @@ class Case:
     buffer_mib: int | None = None
     num_buffers: int | None = None
     times: list[float] = field(default_factory=list)
+    #: For weightsync cases: seconds inside the trainer's send call, per timed sync.
+    send_times: list[float] = field(default_factory=list)
     limit_s: float | None = None
     trainer_extra_mb: float | None = None
     worker_extra_mb: float | None = None
@@ -65,6 +67,7 @@ class Case:
             min_s=min(self.times),
             max_s=max(self.times),
             gbps=self.gbps,
+            send_median_s=statistics.median(self.send_times) if self.send_times else None,
             fraction_of_raw_limit=(self.limit_s / self.median) if self.limit_s else None,
         )
         return out
@@ -208,6 +211,10 @@ def _gloo_close(model: torch.nn.Module) -> None:
     model._bench_store = None  # type: ignore[assignment]
 
 
+def _nothing(model: torch.nn.Module, *_: Any) -> None:
+    return None
+
+
 # --- the driver ------------------------------------------------------------------------------
 
 
@@ -223,10 +230,20 @@ class Bench:
     def get(self, ref: Any) -> Any:
         return self.ray.get(ref, timeout=self.timeout)
 
-    def timed(self, case: Case, one: Callable[[], float | None], parties: list[Any]) -> Case:
-        base = self.get([p.call.remote(_memory_reset) for p in parties])
+    def memory_base(self, parties: list[Any]) -> list[int]:
+        """Reset each side's peak counter; returns what each holds now."""
+        return list(self.get([p.call.remote(_memory_reset) for p in parties]))
+
+    def timed(
+        self, case: Case, one: Callable[[], float | None], parties: list[Any], base: list[int] | None = None
+    ) -> Case:
+        """Warm up once, then time ``repeats`` runs of ``one``. Peak memory counts from
+        ``base`` (taken before a case's setup, so its buffers count) or from now."""
+        if base is None:
+            base = self.memory_base(parties)
         one()
         case.times = []
+        case.send_times = []
         for _ in range(self.args.repeats):
             t0 = time.perf_counter()
             measured = one()
@@ -242,15 +259,17 @@ class Bench:
         knobs = f"{c.buffer_mib or '':>5} {c.num_buffers or '':>2}"
         ratio = f"{c.limit_s / c.median:6.1%}" if c.limit_s else "     -"
         extra = f"{c.trainer_extra_mb or 0:8.0f} {c.worker_extra_mb if c.worker_extra_mb is not None else 0:8.0f}"
+        send = f"{statistics.median(c.send_times) * 1e3:8.2f}" if c.send_times else f"{'-':>8}"
         print(
             f"{c.size:>6} {c.name:<34} {knobs} {c.median * 1e3:10.2f} {min(c.times) * 1e3:9.2f}-{max(c.times) * 1e3:<9.2f}"
-            f" {c.gbps:8.2f} {ratio}  {extra}  {c.note}",
+            f" {send} {c.gbps:8.2f} {ratio}  {extra}  {c.note}",
             flush=True,
         )
 
     def header(self) -> None:
         print(
-            f"{'size':>6} {'case':<34} {'MiB':>5} {'nb':>2} {'median ms':>10} {'min-max ms':>19} {'GB/s':>8} {'/raw':>6}"
+            f"{'size':>6} {'case':<34} {'MiB':>5} {'nb':>2} {'median ms':>10} {'min-max ms':>19} {'send ms':>8}"
+            f" {'GB/s':>8} {'/raw':>6}"
             f"  {'trainMB':>8} {'workMB':>8}",
             flush=True,
         )
@@ -321,6 +340,7 @@ class Bench:
         def sync_case(
             name: str, transport: str, buffer_mib: int, nbuf: int, limit: float | None, members: list[Any]
         ) -> None:
+            base = self.memory_base(parties)
             ws = WeightSync(
                 trainer,
                 members,
@@ -335,13 +355,18 @@ class Bench:
                 print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
                 return
 
+            case = Case(size, name, nbytes, buffer_mib, nbuf, limit_s=limit)
+
             def one() -> float:
                 version[0] += 1
-                return ws.sync(version[0]).seconds
+                report = ws.sync(version[0])
+                case.send_times.append(report.send_seconds)
+                return report.seconds
 
-            self.timed(Case(size, name, nbytes, buffer_mib, nbuf, limit_s=limit), one, parties)
+            self.timed(case, one, parties, base)
             ws.close()
 
+        self.ray_floor_case(size, trainer, workers[0], nbytes)
         first = args.buffer_mib[0]
         colocated = ["ipc", "direct"] if ("ipc" in args.transports or "direct" in args.transports) else []
         for transport in colocated:
@@ -391,10 +416,25 @@ class Bench:
                 parties,
             )
 
+    def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int) -> None:
+        """The hand-off floor: a direct sync's three chained Ray calls, doing nothing."""
+
+        def one() -> None:
+            begin = worker.call.remote(_nothing)
+            send = trainer.call.remote(_nothing, begin)
+            self.get(worker.call.remote(_nothing, send))
+
+        self.timed(
+            Case(size, "ray floor: 3 chained no-op calls", nbytes, note="begin -> send -> commit, no work"),
+            one,
+            [trainer, worker],
+        )
+
     def reference_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float, buffer_mib: int) -> None:
         """The reference design: one slot, pack then consume, a Ray round trip each, per chunk."""
         from weightsync.coordinator import WeightSync
 
+        base = self.memory_base([trainer, worker])
         ws = WeightSync(
             trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout
         )
@@ -417,6 +457,7 @@ class Bench:
             ),
             one,
             [trainer, worker],
+            base,
         )
         ws.close()
 

@@ -82,6 +82,9 @@ class SyncReport:
     transports: dict[str, int]
     workers: list[WorkerReport] = field(default_factory=list)
     verified: bool = False
+    #: Seconds the trainer spent inside its send call: the transfer itself. The rest of
+    #: ``seconds`` is Ray hand-offs and bookkeeping.
+    send_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -384,22 +387,25 @@ class WeightSync:
 
     def _open_direct(self) -> None:
         members = self._members("direct")
-        if not members:
-            return
+        if members:
+            self._export_direct(members, SetupError)
+
+    def _export_direct(self, members: Sequence[_Worker], error: type[WeightSyncError]) -> None:
+        """Each worker exports its tensors, the trainer maps the exports, the workers seal."""
         exports, errors, _ = self._gather(
-            {w.name: w.handle.ws_export_direct.remote() for w in members}, self._ray_timeout()
+            {w.name: w.handle.ws_export_direct.remote(self.timeout_s) for w in members}, self._ray_timeout()
         )
         if errors:
             self._teardown(abort=True)
-            raise SetupError(
+            raise error(
                 "exporting direct targets failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
             )
         self._get(
             [self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members],
             "mapping direct targets",
-            SetupError,
+            error,
         )
-        self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports", SetupError)
+        self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports", error)
 
     # sync ---------------------------------------------------------------------------------
     def sync(self, version: int, verify: bool | None = None, force: bool = False) -> SyncReport:
@@ -426,63 +432,82 @@ class WeightSync:
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:
-        """Submit the whole sync as one Ray dependency graph and wait for it once.
+        """Submit the whole sync at once and wait for it once.
 
-        begin (direct workers) -> ws_send (trainer) -> ws_commit (every worker), with each
-        worker's receive running alongside the trainer's send. Later phases take earlier
-        phases' object refs as arguments, so Ray starts each as soon as its inputs are ready
-        and the coordinator makes no round trip between phases.
+        The trainer's ``ws_send`` and every worker's receive start together: colocated
+        workers (direct, ipc) meet the trainer through shared control blocks, broadcast
+        receivers through the collective. A direct worker commits as soon as the trainer's
+        write into it finished; ipc and broadcast workers commit in ``ws_commit``, which
+        takes the trainer's and the worker's results as Ray object refs, so Ray starts it
+        once both succeeded and the coordinator makes no round trip in between.
         """
         assert self.manifest is not None
         start = time.perf_counter()
-        direct = self._members("direct")
-        ipc = self._members("ipc")
-        bcast = self._members("broadcast")
+        results, send = self._transfer(version, verify, force, self._members("direct"))
+        moved = {n: r.moved for n, r in results.items() if isinstance(r, ReceiveResult) and r.moved}
+        if moved:
+            # Their tensors moved since their export: nothing was written. Export again
+            # and write those workers now; ``ws_send`` skips the rest this time.
+            log.info("weightsync: re-exporting direct targets whose tensors moved: %s", moved)
+            stale = [self._workers[n] for n in moved]
+            try:
+                self._export_direct(stale, SyncError)
+            except WeightSyncError as exc:
+                self._fail({n: str(exc) for n in moved}, [], "re-exporting moved direct targets")
+            again, _ = self._transfer(version, verify, force, stale, only_direct=True)
+            results.update(again)
+        self._sync_seq += 1
+        self.version = version
+        seconds = time.perf_counter() - start
+        total = self.manifest.total_bytes
+        counts: dict[str, int] = {}
+        reports = []
+        for w in self._workers.values():
+            counts[w.transport] = counts.get(w.transport, 0) + 1
+            r: ReceiveResult = results[w.name]
+            reports.append(WorkerReport(w.name, w.transport, r.version, r.state, r.seconds))
+        chunked = any(w.transport != "direct" for w in self._workers.values())
+        return SyncReport(
+            version=version,
+            bytes=total,
+            chunks=len(self.manifest.chunks) if chunked else 0,
+            seconds=seconds,
+            gbps=total / seconds / 1e9 if seconds > 0 else 0.0,
+            transports=counts,
+            workers=reports,
+            verified=verify,
+            send_seconds=float(send["seconds"]),
+        )
+
+    def _transfer(
+        self, version: int, verify: bool, force: bool, direct: Sequence[_Worker], only_direct: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One round of calls; returns each worker's final result and the trainer's."""
+        ipc = [] if only_direct else self._members("ipc")
+        bcast = [] if only_direct else self._members("broadcast")
+        seq = self._sync_seq
         calls: dict[tuple[str, str], Any] = {}
-        for w in direct:
-            calls[(w.name, "begin")] = w.handle.ws_begin_direct.remote(version, force)
         trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast),
-            [w.ipc_index for w in ipc],
-            self._sync_seq,
-            [w.name for w in direct],
-            verify,
-            *[calls[(w.name, "begin")] for w in direct],
+            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
         )
         calls[("trainer", "send")] = trainer_ref
+        for w in direct:
+            calls[(w.name, "receive")] = w.handle.ws_receive_direct.remote(version, seq, force)
         for w in ipc:
-            calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, self._sync_seq, verify, force)
+            calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, seq, verify, force)
         for w in bcast:
             calls[(w.name, "receive")] = w.handle.ws_receive_broadcast.remote(version, verify, force)
-        for w in self._workers.values():
-            received = calls.get((w.name, "receive"))
-            args = (version, w.transport, verify, trainer_ref) + ((received,) if received is not None else ())
+        for w in [*ipc, *bcast]:
+            args = (version, w.transport, verify, trainer_ref, calls[(w.name, "receive")])
             calls[(w.name, "commit")] = w.handle.ws_commit.remote(*args)
         results, errors, dead = self._gather(
             {f"{n}/{phase}": ref for (n, phase), ref in calls.items()}, self._ray_timeout()
         )
         if errors:
             self._fail(*self._attribute(errors, dead), "during the transfer")
-        self._sync_seq += 1
-        self.version = version
-        seconds = time.perf_counter() - start
-        moved = self.manifest.total_bytes
-        counts: dict[str, int] = {}
-        reports = []
-        for w in self._workers.values():
-            counts[w.transport] = counts.get(w.transport, 0) + 1
-            r: ReceiveResult = results[f"{w.name}/commit"]
-            reports.append(WorkerReport(w.name, w.transport, r.version, r.state, r.seconds))
-        return SyncReport(
-            version=version,
-            bytes=moved,
-            chunks=len(self.manifest.chunks) if (ipc or bcast) else 0,
-            seconds=seconds,
-            gbps=moved / seconds / 1e9 if seconds > 0 else 0.0,
-            transports=counts,
-            workers=reports,
-            verified=verify,
-        )
+        final = {w.name: results[f"{w.name}/receive"] for w in direct}
+        final.update({w.name: results[f"{w.name}/commit"] for w in [*ipc, *bcast]})
+        return final, results["trainer/send"]
 
     def _attribute(self, errors: Mapping[str, str], dead: Sequence[str]) -> tuple[dict[str, str], list[str]]:
         """Per party, the failure it caused. A commit that failed only because the trainer's

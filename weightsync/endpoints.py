@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from weightsync.packing import ChunkUnpacker
-from weightsync.sinks import ModuleSink, Sink, module_tensors
+from weightsync.sinks import ModuleSink, Sink, module_tensor_list, module_tensors, same_objects
 from weightsync.spec import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUFFER_BYTES,
@@ -82,6 +82,7 @@ class WeightSender:
         self.broadcast: BroadcastSender | None = None
         self.ipc: IpcSender | None = None
         self.direct: DirectWriter | None = None
+        self._checked: list[torch.Tensor] = []  # module_tensor_list at the last full check
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -121,8 +122,20 @@ class WeightSender:
         return self._manifest
 
     def sources(self) -> list[torch.Tensor]:
-        """This sync's tensors in manifest order; refuses a model that changed shape since."""
+        """This sync's tensors in manifest order; refuses a model that changed shape since.
+
+        Names are checked again only when the module no longer holds the very tensor
+        objects it held at the last check: walking and naming every tensor each sync
+        costs more than the copies of a small model.
+        """
         manifest = self.current_manifest
+        plain = self.model is not None and self.source is None and self.transform is None
+        if plain:
+            current = module_tensor_list(self.model)  # type: ignore[arg-type]
+            if same_objects(current, self._checked) and all(
+                tuple(t.shape) == spec.shape for t, spec in zip(current, manifest.specs)
+            ):
+                return [t.detach() for t in current]
         pairs = self.named_tensors()
         if [n for n, _ in pairs] != list(manifest.names):
             raise ManifestError(f"{self.name}: the model's tensors changed since setup; run setup() again")
@@ -132,6 +145,8 @@ class WeightSender:
                     f"{self.name}: tensor {name} is now {list(tensor.shape)}, the manifest says "
                     f"{list(spec.shape)}; run setup() again"
                 )
+        if plain:
+            self._checked = current
         return [t for _, t in pairs]
 
     def digest(self) -> str:
@@ -168,12 +183,13 @@ class WeightSender:
             self.direct = DirectWriter(self.current_manifest, self.device, timeout_s, self.name)
         self.direct.map(export)
 
-    def write_direct(self, worker: str, export: DirectExport | None = None) -> int:
+    def write_direct(self, workers: Sequence[str], sync_seq: int) -> list[str]:
+        """Write into each worker's mapped tensors for sync ``sync_seq``, in turn; returns
+        the workers skipped because their tensors moved since their export."""
         if self.direct is None:
             raise WeightSyncError(f"{self.name}: no direct export is mapped")
-        if export is not None:
-            self.direct.map(export)
-        return self.direct.write(worker, self.sources())
+        sources = self.sources()
+        return [w for w in workers if not self.direct.write(w, sources, sync_seq)]
 
     def close_broadcast(self, abort: bool = False) -> None:
         if self.broadcast is not None:
@@ -241,12 +257,15 @@ class WeightReceiver:
         return ChunkUnpacker(manifest.specs, dests.__getitem__, self.sink.keeps_references)
 
     # version bracketing -------------------------------------------------------------------
-    def begin(self, version: int, force: bool = False) -> None:
+    def check_version(self, version: int, force: bool = False) -> None:
         if self.version is not None and version <= self.version and not force:
             raise VersionError(
                 f"{self.name}: version {version} is not newer than the version it holds "
                 f"({self.version}); pass force=True to overwrite anyway"
             )
+
+    def begin(self, version: int, force: bool = False) -> None:
+        self.check_version(version, force)
         self.state = WorkerState.RECEIVING
 
     def commit(self, version: int) -> None:
@@ -286,7 +305,7 @@ class WeightReceiver:
             raise WeightSyncError(f"{self.name}: no IPC export attached")
         return self.ipc.consume(handle, unpacker or self.unpacker(), self.sink.consume, verify)
 
-    def export_direct(self) -> DirectExport:
+    def export_direct(self, timeout_s: float = 60.0) -> DirectExport:
         manifest = self._manifest()
         tensors = self.sink.direct_tensors(manifest)
         if tensors is None:
@@ -295,18 +314,39 @@ class WeightReceiver:
                 "and cannot take direct writes; use transport='ipc' for this worker"
             )
         if self.direct is None:
-            self.direct = DirectTarget(manifest, self.device, self.name)
+            self.direct = DirectTarget(manifest, self.device, self.name, timeout_s)
+        self.direct.timeout_s = timeout_s
         return self.direct.export(tensors, self.sink.rebind)
 
-    def refresh_direct(self) -> DirectExport | None:
-        """Before a direct write: re-export if any tensor's storage moved since the export."""
-        if self.direct is None:
+    def receive_direct(self, version: int, sync_seq: int, force: bool = False) -> list[str]:
+        """The worker's side of a direct sync, started alongside the trainer's write.
+
+        Returns the names of tensors whose storage moved since the export: nothing was
+        written and the version did not move; re-export (setup does) and sync again.
+        Otherwise waits for the trainer's write and commits ``version``.
+        """
+        target = self.direct
+        if target is None:
             raise WeightSyncError(f"{self.name}: no direct export; run setup()")
-        tensors = self.sink.direct_tensors(self._manifest())
-        assert tensors is not None
-        if self.direct.stale(tensors):
-            return self.export_direct()
-        return None
+        try:
+            self.check_version(version, force)
+            tensors = self.sink.direct_tensors(self._manifest())
+            assert tensors is not None
+        except BaseException:
+            target.abort()
+            raise
+        self.state, before = WorkerState.RECEIVING, self.state
+        moved = target.announce(sync_seq, tensors)
+        if moved:
+            self.state = before
+            return moved
+        try:
+            target.await_written(sync_seq)
+        except BaseException:
+            self.fail()
+            raise
+        self.commit(version)
+        return []
 
     def close_broadcast(self, abort: bool = False) -> None:
         if self.broadcast is not None:

@@ -40,6 +40,43 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def module_tensor_list(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of :func:`module_tensors`, same order, without building their names.
+
+    About three times cheaper, for the per-sync check that a module still holds the very
+    tensor objects it held when its names were last checked.
+    """
+    modules: list[nn.Module] = []
+    visited: set[int] = set()
+    stack = [module]
+    while stack:  # preorder, each module once, as named_modules() walks
+        current = stack.pop()
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
+        modules.append(current)
+        stack.extend(reversed([child for child in current._modules.values() if child is not None]))
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for current in modules:
+        for param in current._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                out.append(param)
+    for current in modules:
+        skip = current._non_persistent_buffers_set
+        for name, buffer in current._buffers.items():
+            if buffer is None or name in skip or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append(buffer)
+    return out
+
+
+def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 class Sink(Protocol):
     """What a receiver needs from the place tensors go."""
 
@@ -72,6 +109,7 @@ class ModuleSink:
         self.module = module
         self._by_name: dict[str, torch.Tensor] = {}
         self._order: list[torch.Tensor] = []
+        self._checked: list[torch.Tensor] = []  # module_tensor_list when _order was built
 
     def held(self) -> dict[str, torch.Tensor]:
         return dict(module_tensors(self.module))
@@ -90,8 +128,11 @@ class ModuleSink:
                 self._by_name[name].copy_(tensor)
 
     def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
-        held = self.held()
-        self._order = [held[spec.name] for spec in manifest.specs]
+        current = module_tensor_list(self.module)
+        if not same_objects(current, self._checked):
+            held = self.held()
+            self._order = [held[spec.name] for spec in manifest.specs]
+            self._checked = current
         return [t.data for t in self._order]
 
     def rebind(self, index: int, tensor: torch.Tensor) -> None:

@@ -6,43 +6,66 @@ view of the region; the trainer maps the region once. A sync is then one ``copy_
 tensor from the trainer's parameter into the mapped destination (casting to the wire dtype
 on the way), with no packing buffer and no second copy.
 
-Call order, per sync (the coordinator brackets the write)::
+Each export carries a small control block, so a sync is one call per side, started
+together, with no Ray round trip between them::
 
-    export = target.refresh_if_stale()     # worker: None, or a fresh export
-    writer.write(export_or_previous, sources)
-    # worker commits its version
+    worker                                   trainer
+    target.announce(seq, tensors)            writer.write(worker, sources, seq)
+      stale storage? -> "stale", return        waits for the announcement
+      else "ready"                             "stale": writes nothing, returns False
+    target.await_written(seq)                  "ready": copies, synchronizes, "written"
+    commit the version
 
-The worker must not read its weights between ``refresh_if_stale`` and the commit (an
-inference engine pauses generation, as it does for any in-place weight update).
+A worker whose tensors moved since its export (a new tensor object or data pointer) is
+never written: the caller re-exports it and runs the sync again for that worker. The
+worker must not read its weights between ``announce`` and its commit (an inference engine
+pauses generation, as it does for any in-place weight update).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weightsync.packing import align_up, typed_view
 from weightsync.spec import Manifest, WeightSyncError
+from weightsync.transport.control import (
+    FIRST_FREE_WORD,
+    create_control,
+    raise_abort,
+    view_control,
+    wait_until,
+)
 from weightsync.transport.cuda_ipc import CudaRegion
 from weightsync.transport.ipc import Region, RegionHandle, RegionImporter
-from weightsync.transport.shm import ShmRegion
+from weightsync.transport.shm import ShmHandle, ShmRegion
 from weightsync.transport.streams import SlotStreams
 
 Rebind = Callable[[int, torch.Tensor], None]
 
+# Control words after magic and abort (abort codes: 1 = writer, 2 = target): the target's
+# announcement (seq + 1 when ready, -(seq + 1) when stale), the writer's completion
+# (seq + 1), then each side's pid.
+_ANNOUNCED, _WRITTEN, _TARGET_PID, _WRITER_PID = range(FIRST_FREE_WORD, FIRST_FREE_WORD + 4)
+_WORDS = FIRST_FREE_WORD + 4
+
 
 @dataclass(frozen=True)
 class DirectExport:
-    """A worker's exported destination region and where each tensor lives in it."""
+    """A worker's exported destination region, where each tensor lives in it, and the
+    control block the two sides meet on."""
 
     session: str
     worker: str
     region: RegionHandle
     offsets: tuple[int, ...]
+    control: ShmHandle
 
 
 def layout(manifest: Manifest) -> tuple[tuple[int, ...], int]:
@@ -59,11 +82,14 @@ def layout(manifest: Manifest) -> tuple[tuple[int, ...], int]:
 class DirectTarget:
     """The worker's side: owns the exported region its tensors now live in."""
 
-    def __init__(self, manifest: Manifest, device: torch.device, name: str) -> None:
+    def __init__(self, manifest: Manifest, device: torch.device, name: str, timeout_s: float = 60.0) -> None:
         self.manifest = manifest
         self.device = device
         self.name = name
+        self.timeout_s = timeout_s
         self._region: Region | None = None
+        self._control: ShmRegion | None = None
+        self._control_np: np.ndarray | None = None
         self._export: DirectExport | None = None
         self._pointers: tuple[int, ...] = ()
         self.exports_made = 0
@@ -89,35 +115,88 @@ class DirectTarget:
             pointers.append(view.data_ptr())
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        old, self._region = self._region, region
-        if old is not None:
-            old.close()
+        self.close()
+        self._region = region
+        self._control, self._control_np = create_control(_WORDS, tag="dctl")
+        self._control_np[_TARGET_PID] = os.getpid()
         self._pointers = tuple(pointers)
-        self._export = DirectExport(session, self.name, region.handle(), offsets)
+        self._export = DirectExport(session, self.name, region.handle(), offsets, self._control.handle())
         self.exports_made += 1
         return self._export
 
     def stale(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Names of tensors whose storage moved since the export (never write into those)."""
+        if len(tensors) != len(self._pointers):
+            return [spec.name for spec in self.manifest.specs]
         return [
             spec.name
             for spec, tensor, pointer in zip(self.manifest.specs, tensors, self._pointers)
             if tensor.data_ptr() != pointer or tuple(tensor.shape) != spec.shape
         ]
 
+    def announce(self, seq: int, tensors: Sequence[torch.Tensor]) -> list[str]:
+        """Tell the writer whether sync ``seq`` may write; returns the stale tensors' names
+        (empty: ready). The caller must not read its weights until :meth:`await_written`."""
+        control = self._ctl()
+        try:
+            moved = self.stale(tensors)
+        except BaseException:
+            raise_abort(control, 2)
+            raise
+        control[_ANNOUNCED] = -(seq + 1) if moved else seq + 1
+        return moved
+
+    def await_written(self, seq: int) -> None:
+        """Wait, up to the deadline, for the writer to finish sync ``seq``."""
+        control = self._ctl()
+        try:
+            wait_until(
+                lambda: int(control[_WRITTEN]) == seq + 1,
+                time.monotonic() + self.timeout_s * 1.25 + 1.0,
+                control,
+                self.name,
+                lambda: "the trainer to finish writing",
+                ["trainer", self.name],
+                peer_pid=lambda: int(control[_WRITER_PID]),
+            )
+        except BaseException:
+            raise_abort(control, 2)
+            raise
+
+    def abort(self) -> None:
+        """Tell a waiting writer this side failed (it stops at once and names this worker)."""
+        if self._control_np is not None:
+            raise_abort(self._control_np, 2)
+
+    def _ctl(self) -> np.ndarray:
+        if self._control_np is None:
+            raise WeightSyncError(f"{self.name}: no direct export; run setup()")
+        return self._control_np
+
     def seal(self) -> None:
-        if self._region is not None:
-            self._region.unlink()
+        """Once the writer mapped the export: unlink shared-memory names (nothing can leak)."""
+        for region in (self._region, self._control):
+            if region is not None:
+                region.unlink()
 
     @property
     def current(self) -> DirectExport | None:
         return self._export
 
     def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-        self._region = None
+        for region in (self._region, self._control):
+            if region is not None:
+                region.close()
+        self._region = self._control = None
+        self._control_np = None
         self._export = None
+
+
+@dataclass
+class _Mapped:
+    export: DirectExport
+    destinations: list[torch.Tensor | None]
+    control: np.ndarray
 
 
 class DirectWriter:
@@ -129,43 +208,67 @@ class DirectWriter:
         self.timeout_s = timeout_s
         self.name = name
         self.importers: dict[str, RegionImporter] = {}
-        self._exports: dict[str, DirectExport] = {}
-        self._regions: dict[str, torch.Tensor] = {}
+        self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
 
     def map(self, export: DirectExport) -> None:
         """Map a worker's export; a new export from the same worker releases the old mapping."""
-        previous = self._exports.get(export.worker)
-        if previous is not None and previous.session == export.session:
+        previous = self._mapped.get(export.worker)
+        if previous is not None and previous.export.session == export.session:
             return
+        self._mapped.pop(export.worker, None)
         importer = self.importers.setdefault(export.worker, RegionImporter(f"{self.name}->{export.worker}"))
         importer.release_all()
-        self._regions[export.worker] = importer.map(export.region)
-        self._exports[export.worker] = export
+        region = importer.map(export.region)
+        control = view_control(importer.map(export.control), self.name, export.control.path)
+        control[_WRITER_PID] = os.getpid()
+        # Views made once per mapping: a sync is then only the copies.
+        destinations = [
+            typed_view(region, offset, spec) if spec.nbytes else None
+            for spec, offset in zip(self.manifest.specs, export.offsets)
+        ]
+        self._mapped[export.worker] = _Mapped(export, destinations, control)
 
-    def write(self, worker: str, sources: Sequence[torch.Tensor]) -> int:
-        """Copy every source into ``worker``'s region; visible to the worker on return."""
-        export = self._exports.get(worker)
-        region = self._regions.get(worker)
-        if export is None or region is None:
+    def write(self, worker: str, sources: Sequence[torch.Tensor], seq: int) -> bool:
+        """Copy every source into ``worker``'s region for sync ``seq``, once the worker
+        announced it is ready; visible to the worker on return. False (nothing written)
+        when the worker announced that its tensors moved since its export."""
+        mapped = self._mapped.get(worker)
+        if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
-        caller = self._streams.caller_stream()
-        with self._streams.use(0):
-            self._streams.wait_for(0, caller)
-            for spec, source, offset in zip(self.manifest.specs, sources, export.offsets):
-                if spec.nbytes:
-                    typed_view(region, offset, spec).copy_(source)
-        if self.device.type == "cuda":
-            self._streams.drain(time.monotonic() + self.timeout_s, f"{self.name}: writing into {worker} timed out")
-        return self.manifest.total_bytes
+        control = mapped.control
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            wait_until(
+                lambda: abs(int(control[_ANNOUNCED])) == seq + 1,
+                deadline,
+                control,
+                self.name,
+                lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
+                [self.name, worker],
+                peer_pid=lambda: int(control[_TARGET_PID]),
+            )
+            if int(control[_ANNOUNCED]) < 0:
+                return False
+            caller = self._streams.caller_stream()
+            with self._streams.use(0):
+                self._streams.wait_for(0, caller)
+                for destination, source in zip(mapped.destinations, sources):
+                    if destination is not None:
+                        destination.copy_(source)
+            self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
+            control[_WRITTEN] = seq + 1
+        except BaseException:
+            raise_abort(control, 1)
+            raise
+        return True
 
     def forget(self, worker: str) -> None:
         importer = self.importers.pop(worker, None)
+        self._mapped.pop(worker, None)
         if importer is not None:
             importer.release_all()
-        self._exports.pop(worker, None)
-        self._regions.pop(worker, None)
 
     def close(self) -> None:
-        for worker in list(self._exports):
+        for worker in list(self._mapped):
             self.forget(worker)

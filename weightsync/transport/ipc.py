@@ -18,15 +18,25 @@ Two ways to drive it:
   acknowledged chunk ``g - num_buffers``. So with two slots the producer packs chunk k+1
   while consumers read chunk k, and a slot is never rewritten while anyone reads it.
 
+On a GPU no side waits on the host for a copy to finish, chunk by chunk: the producer
+records an interprocess CUDA event after packing a slot and publishes at once; a consumer's
+stream waits on that event, unpacks, records its own event for the slot and acknowledges at
+once; the producer's stream waits on every consumer's event before it packs that slot
+again. The host only moves the counters while the GPU runs pack and unpack back to back,
+and each side synchronizes once, at the end of a sync. An event is always waited on before
+its next record (a slot is packed again only after every consumer acknowledged, which it
+does after queueing its wait), so a wait never sees a later chunk's record.
+
 Every wait has a deadline; a side that fails raises an abort flag in the control block so
-the others stop at once and name it, instead of waiting out the timeout.
+the others stop at once and name it, and a side whose process ended is noticed by its pid.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,21 +46,40 @@ import torch
 from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk
 from weightsync.spec import Manifest, WeightSyncError
 from weightsync.transport.broadcast import Deliver
+from weightsync.transport.control import (
+    FIRST_FREE_WORD,
+    PeerAborted,
+    create_control,
+    raise_abort,
+    view_control,
+    wait_until,
+)
 from weightsync.transport.cuda_ipc import CudaIpcHandle, CudaRegion, map_cuda_ipc
 from weightsync.transport.shm import ShmHandle, ShmRegion, map_shm
-from weightsync.transport.streams import SlotStreams, TransferTimeout, wait_for_stream
+from weightsync.transport.streams import SlotStreams, wait_for_stream
+
+__all__ = ["ChecksumMismatch", "ChunkHandle", "IpcExport", "IpcReceiver", "IpcSender", "PeerAborted", "RegionImporter"]
 
 RegionHandle = ShmHandle | CudaIpcHandle
 
-_MAGIC = 0x5753594E43  # "WSYNC"
-# Control block words: magic, abort code (1 = producer, 2 + i = consumer i), chunks
-# published, the chunk the producer is waiting to write (0 when not waiting), then one
-# acknowledged-count per consumer, then one checksum per slot.
-_ABORT, _PUBLISHED, _WAITING, _FIRST_CONSUMER = 1, 2, 3, 4
+# Control block words after magic and abort (abort codes: 1 = producer, 2 + i = consumer
+# i): chunks published, the chunk the producer waits to write (0 when not waiting), the
+# producer's pid; then per consumer its acknowledged-count and its pid; then one checksum
+# per slot.
+_PUBLISHED, _WAITING, _PRODUCER_PID = FIRST_FREE_WORD, FIRST_FREE_WORD + 1, FIRST_FREE_WORD + 2
+_FIRST_CONSUMER = FIRST_FREE_WORD + 3
 
 
-class PeerAborted(WeightSyncError):
-    """The other side of an IPC hand-off failed and raised the abort flag."""
+def _ack_word(consumer: int) -> int:
+    return _FIRST_CONSUMER + 2 * consumer
+
+
+def _pid_word(consumer: int) -> int:
+    return _FIRST_CONSUMER + 2 * consumer + 1
+
+
+def _checksum_word(num_consumers: int, slot: int) -> int:
+    return _FIRST_CONSUMER + 2 * num_consumers + slot
 
 
 class Region(Protocol):
@@ -120,6 +149,10 @@ class IpcExport:
     num_slots: int
     slot_bytes: int
     consumer_names: tuple[str, ...]
+    #: On a GPU: per slot, the interprocess event the producer records after packing it;
+    #: per consumer and slot, the event that consumer records after unpacking it.
+    packed_events: tuple[bytes, ...] = ()
+    freed_events: tuple[tuple[bytes, ...], ...] = ()
 
     @property
     def num_consumers(self) -> int:
@@ -137,36 +170,6 @@ class ChunkHandle:
     checksum: int | None = None
 
 
-def _wait(
-    predicate: Callable[[], bool],
-    deadline: float,
-    control: np.ndarray,
-    me: str,
-    what: Callable[[], str],
-    names: Sequence[str],
-) -> None:
-    """Spin, then back off, until ``predicate``; raise on the peer's abort flag or the deadline.
-
-    ``what`` is called only to word an error, so it names who is late at that moment.
-    """
-    spins = 0
-    delay = 10e-6
-    while not predicate():
-        code = int(control[_ABORT])
-        if code:
-            who = names[code - 1] if 0 < code <= len(names) else f"peer {code}"
-            raise PeerAborted(f"{me}: {who} failed during the transfer; stopped waiting for {what()}")
-        if time.monotonic() > deadline:
-            raise TransferTimeout(
-                f"{me}: timed out waiting for {what()}; that side is stuck, dead or too slow "
-                "(raise timeout_s if it is only slow)"
-            )
-        spins += 1
-        if spins > 2000:
-            time.sleep(delay)
-            delay = min(delay * 2, 100e-6)
-
-
 class IpcSender:
     """The producer: exports ``num_buffers`` slots once and packs chunks into them."""
 
@@ -181,6 +184,8 @@ class IpcSender:
         self._control_np: np.ndarray | None = None
         self._export: IpcExport | None = None
         self._consumer_names: list[str] = []
+        self._packed: list[torch.cuda.Event] = []
+        self._freed: list[list[torch.cuda.Event]] = []
 
     def export(self, consumer_names: Sequence[str]) -> IpcExport:
         """Allocate and export the slots and the control block, once per session."""
@@ -189,20 +194,26 @@ class IpcSender:
         nbuf, size = self.manifest.num_buffers, self.manifest.buffer_bytes
         self._slots = make_region(nbuf * size, self.device, tag="slots")
         self._consumer_names = list(consumer_names)
-        words = _FIRST_CONSUMER + len(consumer_names) + nbuf
-        self._control = ShmRegion(words * 8, tag="ctl")
-        control = self._control.tensor.view(torch.int64)
-        control.zero_()
-        control[0] = _MAGIC
-        self._control_np = control.numpy()
-        session = uuid.uuid4().hex[:16]
+        self._control, control = create_control(_checksum_word(len(consumer_names), nbuf), tag="ctl")
+        control[_PRODUCER_PID] = os.getpid()
+        self._control_np = control
+        packed: tuple[bytes, ...] = ()
+        freed: tuple[tuple[bytes, ...], ...] = ()
+        if self.streams.is_cuda:
+            with torch.cuda.device(self.device):
+                self._packed = [torch.cuda.Event(interprocess=True) for _ in range(nbuf)]
+                self._freed = [[torch.cuda.Event(interprocess=True) for _ in range(nbuf)] for _ in consumer_names]
+                packed = tuple(e.ipc_handle() for e in self._packed)
+                freed = tuple(tuple(e.ipc_handle() for e in row) for row in self._freed)
         self._export = IpcExport(
-            session=session,
+            session=uuid.uuid4().hex[:16],
             slots=self._slots.handle(),
             control=self._control.handle(),
             num_slots=nbuf,
             slot_bytes=size,
             consumer_names=tuple(consumer_names),
+            packed_events=packed,
+            freed_events=freed,
         )
         return self._export
 
@@ -220,23 +231,43 @@ class IpcSender:
         size = self.manifest.buffer_bytes
         return self._slots.tensor[slot * size : (slot + 1) * size]
 
-    def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
-        """Pack chunk ``chunk_index`` into ``slot`` and make it visible before returning."""
-        assert self._export is not None
+    def _enqueue_pack(
+        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool, after: Sequence[int] = ()
+    ) -> int | None:
+        """Queue chunk ``chunk_index``'s copies into ``slot`` on the slot's stream.
+
+        The stream first waits for the caller's stream (parameters it is still writing) and,
+        on a GPU, for the ``after`` consumers' last unpack of this slot. Returns the checksum
+        when ``verify`` (which waits for the copies on the host).
+        """
         if not 0 <= chunk_index < len(self.manifest.chunks):
             raise WeightSyncError(
                 f"{self.name}: chunk {chunk_index} out of range (plan has {len(self.manifest.chunks)})"
             )
         buffer = self.slot_buffer(slot)
         chunk = self.manifest.chunks[chunk_index]
-        deadline = time.monotonic() + self.timeout_s
         caller = self.streams.caller_stream()
         with self.streams.use(slot):
             self.streams.wait_for(slot, caller)
+            stream = torch.cuda.current_stream(self.device) if self.streams.is_cuda else None
+            if stream is not None:
+                for consumer in after:
+                    stream.wait_event(self._freed[consumer][slot])
             pack_chunk(chunk, self.manifest.specs, sources, buffer)
             checksum = byte_checksum(buffer, chunk.nbytes) if verify else None
+            if stream is not None and self._packed:
+                self._packed[slot].record(stream)
+        return checksum
+
+    def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
+        """Pack chunk ``chunk_index`` into ``slot``; the bytes are complete when this returns
+        (the per-chunk API: the caller hands the handle to consumers itself)."""
+        assert self._export is not None
+        checksum = self._enqueue_pack(chunk_index, slot, sources, verify)
+        deadline = time.monotonic() + self.timeout_s
         self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out")
-        return ChunkHandle(self._export.session, slot, chunk_index, chunk.nbytes, checksum)
+        nbytes = self.manifest.chunks[chunk_index].nbytes
+        return ChunkHandle(self._export.session, slot, chunk_index, nbytes, checksum)
 
     def send(
         self, sources: Sequence[torch.Tensor], sync_seq: int, consumers: Sequence[int], verify: bool = False
@@ -245,6 +276,7 @@ class IpcSender:
 
         ``sync_seq`` counts the syncs completed in this session (both sides are told the
         same); ``consumers`` are the indices, among those exported for, that take part.
+        Returns after every consumer took every chunk and this side's copies finished.
         """
         assert self._control_np is not None
         control = self._control_np
@@ -262,51 +294,58 @@ class IpcSender:
             for chunk in self.manifest.chunks:
                 g = base + chunk.index
                 slot = g % nbuf
-                need = g - nbuf + 1
-
-                def slot_free(need: int = need) -> bool:
-                    return all(int(control[_FIRST_CONSUMER + c]) >= need for c in consumers)
-
-                if not slot_free():
-                    control[_WAITING] = g + 1
-                    _wait(
-                        slot_free,
-                        deadline,
-                        control,
-                        self.name,
-                        lambda need=need, slot=slot, k=chunk.index: (
-                            f"{self._lagging(consumers, need)} to release slot {slot} before chunk {k}"
-                        ),
-                        names,
-                    )
-                    control[_WAITING] = 0
-                handle = self.pack(chunk.index, slot, sources, verify)
-                if verify:
-                    assert handle.checksum is not None
-                    checksums.append(handle.checksum)
-                    control[_FIRST_CONSUMER + len(self._consumer_names) + slot] = np.int64(
-                        np.uint64(handle.checksum).view(np.int64)
+                self._await_acks(
+                    consumers, g - nbuf + 1, deadline, names, g + 1, f"release slot {slot} before chunk {chunk.index}"
+                )
+                checksum = self._enqueue_pack(chunk.index, slot, sources, verify, after=consumers if g >= nbuf else ())
+                if checksum is not None:
+                    checksums.append(checksum)
+                    control[_checksum_word(len(self._consumer_names), slot)] = np.int64(
+                        np.uint64(checksum).view(np.int64)
                     )
                 control[_PUBLISHED] = g + 1
             final = base + len(self.manifest.chunks)
-            _wait(
-                lambda: all(int(control[_FIRST_CONSUMER + c]) >= final for c in consumers),
-                deadline,
-                control,
-                self.name,
-                lambda: f"{self._lagging(consumers, final)} to finish the last chunk",
-                names,
-            )
+            self._await_acks(consumers, final, deadline, names, 0, "finish the last chunk")
+            self.streams.drain(deadline, f"{self.name}: packing timed out")
         except BaseException:
-            if not int(control[_ABORT]):  # the first failure is the one to name
-                control[_ABORT] = 1
+            raise_abort(control, 1)  # the first failure is the one to name
             raise
         return checksums
 
-    def _lagging(self, consumers: Sequence[int], need: int) -> str:
+    def _await_acks(
+        self, consumers: Sequence[int], need: int, deadline: float, names: list[str], waiting: int, what: str
+    ) -> None:
         assert self._control_np is not None
-        late = [self._consumer_names[c] for c in consumers if int(self._control_np[_FIRST_CONSUMER + c]) < need]
-        return ", ".join(late) or "workers"
+        control = self._control_np
+
+        def done() -> bool:
+            return all(int(control[_ack_word(c)]) >= need for c in consumers)
+
+        if need <= 0 or done():
+            return
+        control[_WAITING] = waiting
+        wait_until(
+            done,
+            deadline,
+            control,
+            self.name,
+            lambda: f"{self._lagging(consumers, need)} to {what}",
+            names,
+            peer_pid=lambda: self._lagging_pid(consumers, need),
+        )
+        control[_WAITING] = 0
+
+    def _late(self, consumers: Sequence[int], need: int) -> list[int]:
+        assert self._control_np is not None
+        return [c for c in consumers if int(self._control_np[_ack_word(c)]) < need]
+
+    def _lagging(self, consumers: Sequence[int], need: int) -> str:
+        return ", ".join(self._consumer_names[c] for c in self._late(consumers, need)) or "workers"
+
+    def _lagging_pid(self, consumers: Sequence[int], need: int) -> int:
+        assert self._control_np is not None
+        late = self._late(consumers, need)
+        return int(self._control_np[_pid_word(late[0])]) if late else 0
 
     def close(self) -> None:
         for region in (self._slots, self._control):
@@ -315,6 +354,7 @@ class IpcSender:
         self._slots = self._control = None
         self._control_np = None
         self._export = None
+        self._packed, self._freed = [], []
 
 
 class IpcReceiver:
@@ -330,6 +370,8 @@ class IpcReceiver:
         self._index = -1
         self._slots: torch.Tensor | None = None
         self._control_np: np.ndarray | None = None
+        self._packed: list[torch.cuda.Event] = []
+        self._freed: list[torch.cuda.Event] = []
 
     def attach(self, export: IpcExport, consumer_index: int) -> None:
         if not 0 <= consumer_index < export.num_consumers:
@@ -343,10 +385,14 @@ class IpcReceiver:
                 f"bytes, the manifest says {self.manifest.num_buffers} of {self.manifest.buffer_bytes}"
             )
         self._slots = self.importer.map(export.slots)
-        control = self.importer.map(export.control).view(torch.int64)
-        if int(control[0]) != _MAGIC:
-            raise WeightSyncError(f"{self.name}: IPC control block {export.control.path} is not weightsync's")
-        self._control_np = control.numpy()
+        control = view_control(self.importer.map(export.control), self.name, export.control.path)
+        if self._slots.device.type == "cuda" and export.packed_events:
+            self._packed = [torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.packed_events]
+            self._freed = [
+                torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.freed_events[consumer_index]
+            ]
+        control[_pid_word(consumer_index)] = os.getpid()
+        self._control_np = control
         self._export = export
         self._index = consumer_index
 
@@ -388,18 +434,26 @@ class IpcReceiver:
                 f"{self.name}: chunk {handle.chunk_index} handle says {handle.nbytes} bytes, "
                 f"the plan says {chunk.nbytes}"
             )
-        return self._read(chunk.index, self._slot(handle.slot), unpacker, deliver, verify, handle.checksum)
+        checksum = self._read(chunk.index, handle.slot, unpacker, deliver, verify, handle.checksum)
+        self._synchronize(f"copying chunk {chunk.index} out")
+        return checksum
 
     def _read(
         self,
         chunk_index: int,
-        buffer: torch.Tensor,
+        slot: int,
         unpacker: ChunkUnpacker,
         deliver: Deliver,
         verify: bool,
         expected: int | None,
     ) -> int | None:
+        """Queue chunk ``chunk_index``'s copies out of ``slot`` on this process's stream
+        (after the producer's packing event, on a GPU), then record this consumer's event."""
         chunk = self.manifest.chunks[chunk_index]
+        buffer = self._slot(slot)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None and self._packed:
+            stream.wait_event(self._packed[slot])
         handed = unpacker.unpack(chunk, buffer)
         if handed:
             deliver(handed)
@@ -412,16 +466,23 @@ class IpcReceiver:
                     f"{self.name}: chunk {chunk_index} checksum {checksum:#x} != trainer's "
                     f"{expected:#x}: bytes were corrupted in transit"
                 )
+        if stream is not None and self._freed:
+            self._freed[slot].record(stream)
+        return checksum
+
+    def _synchronize(self, what: str) -> None:
         if self.device.type == "cuda":
             wait_for_stream(
                 torch.cuda.current_stream(self.device),
                 time.monotonic() + self.timeout_s,
-                f"{self.name}: copying chunk {chunk_index} out timed out",
+                f"{self.name}: {what} timed out",
             )
-        return checksum
 
     def receive(self, sync_seq: int, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False) -> list[int]:
-        """Take every chunk as the producer publishes it (the per-sync partner of ``send``)."""
+        """Take every chunk as the producer publishes it (the per-sync partner of ``send``).
+
+        Returns once every byte landed in the sink (this side's stream synchronized).
+        """
         if self._export is None or self._control_np is None:
             raise WeightSyncError(f"{self.name}: attach() must run before receive()")
         control = self._control_np
@@ -432,8 +493,8 @@ class IpcReceiver:
         # and should be the one to time out and name it.
         deadline = time.monotonic() + self.timeout_s * 1.25 + 1.0
         names = ["trainer", *self._export.consumer_names]
-        csum_at = _FIRST_CONSUMER + self._export.num_consumers
-        me = _FIRST_CONSUMER + self._index
+        csum_at = _checksum_word(self._export.num_consumers, 0)
+        me = _ack_word(self._index)
         checksums: list[int] = []
         try:
             if int(control[me]) != base:
@@ -443,25 +504,26 @@ class IpcReceiver:
                 )
             for chunk in self.manifest.chunks:
                 g = base + chunk.index
-                _wait(
+                wait_until(
                     lambda g=g: int(control[_PUBLISHED]) > g,
                     deadline,
                     control,
                     self.name,
                     lambda k=chunk.index: f"the trainer to publish chunk {k}",
                     names,
+                    peer_pid=lambda: int(control[_PRODUCER_PID]),
                 )
                 expected = None
                 if verify:
                     expected = int(np.int64(control[csum_at + g % nbuf]).view(np.uint64))
-                got = self._read(chunk.index, self._slot(g % nbuf), unpacker, deliver, verify, expected)
+                got = self._read(chunk.index, g % nbuf, unpacker, deliver, verify, expected)
                 if got is not None:
                     checksums.append(got)
                 control[me] = g + 1
             unpacker.finish()
+            self._synchronize("copying the last chunks out")
         except BaseException:
-            if not int(control[_ABORT]):
-                control[_ABORT] = 2 + self._index
+            raise_abort(control, 2 + self._index)
             raise
         return checksums
 
@@ -469,6 +531,7 @@ class IpcReceiver:
         self._slots = None
         self._control_np = None
         self._export = None
+        self._packed, self._freed = [], []
         self.importer.release_all()
 
 

@@ -1,0 +1,189 @@
+"""The one-copy ``direct`` transport on the CPU (shared memory): the same code as on a GPU.
+
+A sync is one call per side meeting on a control block: the worker announces (ready, or
+stale when its tensors moved since the export), the trainer writes, the worker commits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, state_of
+from tests.test_ray_e2e import assert_workers_match, get
+from weightsync import SyncError, WeightSync
+from weightsync.actors import _Trainer, _Worker
+from weightsync.endpoints import WeightSender
+from weightsync.sinks import module_tensor_list, module_tensors
+from weightsync.spec import ManifestError
+
+
+class Worker(_Worker):
+    def direct_exports(self) -> int:
+        return self._ws_receiver.direct.exports_made
+
+    def move_storage(self, name: str, new_object: bool, seed: int) -> list[float]:
+        """Give ``name`` new storage, as a reload would: ``p.data = ...`` or a new Parameter.
+        Returns the old tensor's values, which no later sync may touch."""
+        module_name, _, attr = name.rpartition(".")
+        owner = self.model.get_submodule(module_name) if module_name else self.model
+        old = getattr(owner, attr)
+        self._old = old.data  # kept alive: a stale write would land here
+        fresh = random_tensor(tuple(old.shape), old.dtype, seed)
+        if new_object:
+            setattr(owner, attr, nn.Parameter(fresh, requires_grad=old.requires_grad))
+        else:
+            old.data = fresh
+        return self._old.float().flatten().tolist()
+
+    def old_values(self) -> list[float]:
+        return self._old.float().flatten().tolist()
+
+
+def pair(actors: Any, n: int = 1, worker_cls: type = Worker) -> tuple[Any, list[Any]]:
+    trainer = actors.add(ray.remote(_Trainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
+    workers = [
+        actors.add(ray.remote(worker_cls).options(num_cpus=0).remote(functools.partial(MixedModel, seed=i + 1)))
+        for i in range(n)
+    ]
+    return trainer, workers
+
+
+@pytest.mark.parametrize("new_object", [False, True], ids=["data-assigned", "new-parameter"])
+def test_a_worker_whose_tensor_moved_is_reexported_and_the_old_storage_never_written(
+    new_object: bool, actors: Any
+) -> None:
+    trainer, (moving, steady) = pair(actors, 2)
+    with WeightSync(trainer, {"moving": moving, "steady": steady}, transport="direct") as ws:
+        get(trainer.call.remote(perturb, 1))
+        ws.sync(1)
+        old = get(moving.move_storage.remote("linear.weight", new_object, 77))
+        get(trainer.call.remote(perturb, 2))
+        report = ws.sync(2)
+        assert [w.version for w in report.workers] == [2, 2]
+        assert get(moving.direct_exports.remote()) == 2
+        assert get(steady.direct_exports.remote()) == 1
+        assert get(moving.old_values.remote()) == old
+        assert_workers_match(trainer, [moving, steady])
+        get(trainer.call.remote(perturb, 3))
+        ws.sync(3)
+        assert get(moving.direct_exports.remote()) == 2
+        assert_workers_match(trainer, [moving, steady])
+
+
+class DiesBeforeAnnouncing(Worker):
+    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
+        if version == 2:
+            os._exit(3)
+        return super().ws_receive_direct(version, sync_seq, force)
+
+
+class DiesWhileWritten(Worker):
+    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
+        if version == 2:
+            target = self._ws_receiver.direct
+
+            def die(seq: int) -> None:
+                os._exit(3)
+
+            target.await_written = die
+        return super().ws_receive_direct(version, sync_seq, force)
+
+
+@pytest.mark.parametrize("doomed_cls", [DiesBeforeAnnouncing, DiesWhileWritten], ids=["before", "during-write"])
+def test_a_worker_killed_during_a_direct_sync_is_named_and_the_trainer_goes_on(doomed_cls: type, actors: Any) -> None:
+    trainer, (healthy,) = pair(actors, 1)
+    doomed = actors.add(ray.remote(doomed_cls).options(num_cpus=0).remote(functools.partial(MixedModel, seed=5)))
+    ws = WeightSync(trainer, {"healthy": healthy, "doomed": doomed}, transport="direct", timeout_s=60)
+    ws.sync(1)
+    get(trainer.call.remote(perturb, 2))
+    with pytest.raises(SyncError) as info:
+        ws.sync(2)
+    assert info.value.dead == ["doomed"]
+    assert "doomed: actor died" in str(info.value)
+    get(trainer.call.remote(perturb, 3))
+    assert ws.sync(3).workers[0].version == 3
+    assert_workers_match(trainer, [healthy])
+    ws.close()
+
+
+class TrainerDiesInSend(_Trainer):
+    def ws_send(self, *args: Any) -> Any:
+        os._exit(3)
+
+
+def test_a_trainer_killed_before_writing_leaves_workers_dirty_at_their_old_version_quickly(actors: Any) -> None:
+    trainer = actors.add(
+        ray.remote(TrainerDiesInSend).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0))
+    )
+    (worker,) = pair(actors, 1)[1]
+    # A long timeout: the worker must notice the trainer's process ended, not time out.
+    ws = WeightSync(trainer, [worker], transport="direct", timeout_s=600)
+    ws.setup()
+    held = get(worker.call.remote(state_of))
+    with pytest.raises(SyncError) as info:
+        ws.sync(1)
+    assert "actor died" in info.value.failures["trainer"]
+    assert "the peer process (pid" in info.value.failures["worker-0"]
+    assert get(worker.version.remote()) == (None, "dirty")
+    now = get(worker.call.remote(state_of))
+    for name in held:
+        assert_bit_equal(now[name], held[name], name)
+
+
+def test_module_tensor_list_matches_module_tensors_with_tied_shared_and_nonpersistent() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 4)
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+            self.again = self.block  # the same submodule twice
+            self.head = nn.Linear(4, 11, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.register_buffer("steps", torch.tensor(3))
+            self.register_buffer("cache", torch.zeros(2), persistent=False)
+            self.block[1].register_buffer("scale", torch.ones(4))
+
+    model = Tied()
+    assert [id(t) for t in module_tensor_list(model)] == [id(t) for _, t in module_tensors(model)]
+    assert len(module_tensor_list(model)) == 7
+
+
+def test_sender_sees_a_replaced_parameter_and_refuses_a_reshaped_one() -> None:
+    model = MixedModel(seed=0)
+    sender = WeightSender(model)
+    manifest = sender.manifest(4096, 2)
+    first = sender.sources()
+    fresh = nn.Parameter(random_tensor(tuple(model.linear.weight.shape), model.linear.weight.dtype, 9))
+    model.linear.weight = fresh
+    second = sender.sources()
+    index = manifest.names.index("linear.weight")
+    assert second[index].data_ptr() == fresh.data_ptr() != first[index].data_ptr()
+    model.linear.weight.data = random_tensor((3, 3), model.linear.weight.dtype, 10)
+    with pytest.raises(ManifestError, match=r"linear.weight is now \[3, 3\]"):
+        sender.sources()
+    model.linear.weight = nn.Parameter(random_tensor((3, 3), model.linear.weight.dtype, 11))
+    with pytest.raises(ManifestError, match=r"linear.weight is now \[3, 3\]"):
+        sender.sources()
+
+
+def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: Any) -> None:
+    from weightsync.models import PolicyFactory, train_step
+
+    trainer = actors.add(ray.remote(_Trainer).options(num_cpus=0).remote(PolicyFactory("1mb", 0)))
+    worker = actors.add(ray.remote(Worker).options(num_cpus=0).remote(PolicyFactory("1mb", 1)))
+    with WeightSync(trainer, [worker], transport="direct") as ws:
+        for step in range(1, 4):
+            get(trainer.call.remote(train_step, step))
+            report = ws.sync(step)
+            assert report.send_seconds > 0
+            assert report.chunks == 0
+            expected, got = get(trainer.call.remote(state_of)), get(worker.call.remote(state_of))
+            for name in expected:
+                assert_bit_equal(got[name], expected[name], name)
