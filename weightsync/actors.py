@@ -257,7 +257,7 @@ class WorkerMixin:
         r = self._wr()
         return ReceiveResult(r.name, r.version, r.state.value, checksums, time.perf_counter() - start)
 
-    def _receive(self, version: int, verify: bool, force: bool, body: Callable[[], list[int]]) -> ReceiveResult:
+    def _receive(self, version: int, force: bool, body: Callable[[], list[int]], commit: bool = False) -> ReceiveResult:
         receiver = self._wr()
         start = time.perf_counter()
         receiver.begin(version, force)
@@ -266,15 +266,19 @@ class WorkerMixin:
         except BaseException:
             receiver.fail()
             raise
-        # Stays RECEIVING: the coordinator commits only once the trainer's side succeeded
-        # too (a collective can return on a receiver whose sender died).
+        if commit:
+            receiver.commit(version)
         return self._result(checksums, start)
 
     def ws_receive_broadcast(self, version: int, verify: bool, force: bool = False) -> ReceiveResult:
-        return self._receive(version, verify, force, lambda: self._wr().receive_broadcast(verify))
+        """Receive every chunk; stays RECEIVING until ``ws_commit``, which runs only once the
+        trainer's side succeeded too (a collective can return on a receiver whose root died)."""
+        return self._receive(version, force, lambda: self._wr().receive_broadcast(verify))
 
     def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> ReceiveResult:
-        return self._receive(version, verify, force, lambda: self._wr().receive_ipc(sync_seq, verify))
+        """Receive every chunk and commit ``version``: this side saw the trainer publish every
+        chunk (and, with ``verify``, checked each one's checksum), so its weights are whole."""
+        return self._receive(version, force, lambda: self._wr().receive_ipc(sync_seq, verify), commit=True)
 
     def ws_consume_ipc_chunk(self, handle: ChunkHandle) -> None:
         self._wr().consume_ipc_chunk(handle)

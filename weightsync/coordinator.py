@@ -237,6 +237,12 @@ class WeightSync:
         results: dict[str, Any] = {}
         errors: dict[str, str] = {}
         dead: list[str] = []
+        if not pending:
+            try:  # the common case, in one call
+                values = ray.get(ready, timeout=1.0)
+                return {by_ref[ref]: value for ref, value in zip(ready, values)}, errors, dead
+            except Exception:  # noqa: BLE001 - told apart per call below
+                pass
         for ref in ready:
             name = by_ref[ref]
             try:
@@ -436,10 +442,11 @@ class WeightSync:
 
         The trainer's ``ws_send`` and every worker's receive start together: colocated
         workers (direct, ipc) meet the trainer through shared control blocks, broadcast
-        receivers through the collective. A direct worker commits as soon as the trainer's
-        write into it finished; ipc and broadcast workers commit in ``ws_commit``, which
-        takes the trainer's and the worker's results as Ray object refs, so Ray starts it
-        once both succeeded and the coordinator makes no round trip in between.
+        receivers through the collective. A colocated worker commits inside its receive,
+        once it saw the trainer finish its part (every chunk published, or the write
+        done). A broadcast receiver commits in ``ws_commit``, which takes the trainer's and
+        the worker's results as Ray object refs, so Ray starts it once both succeeded and
+        the coordinator makes no round trip in between.
         """
         assert self.manifest is not None
         start = time.perf_counter()
@@ -487,17 +494,19 @@ class WeightSync:
         bcast = [] if only_direct else self._members("broadcast")
         seq = self._sync_seq
         calls: dict[tuple[str, str], Any] = {}
-        trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
-        )
-        calls[("trainer", "send")] = trainer_ref
+        # Workers first: a direct worker's announcement is then usually ready when the
+        # trainer looks for it.
         for w in direct:
             calls[(w.name, "receive")] = w.handle.ws_receive_direct.remote(version, seq, force)
         for w in ipc:
             calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, seq, verify, force)
         for w in bcast:
             calls[(w.name, "receive")] = w.handle.ws_receive_broadcast.remote(version, verify, force)
-        for w in [*ipc, *bcast]:
+        trainer_ref = self.trainer.ws_send.remote(
+            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
+        )
+        calls[("trainer", "send")] = trainer_ref
+        for w in bcast:
             args = (version, w.transport, verify, trainer_ref, calls[(w.name, "receive")])
             calls[(w.name, "commit")] = w.handle.ws_commit.remote(*args)
         results, errors, dead = self._gather(
@@ -505,8 +514,8 @@ class WeightSync:
         )
         if errors:
             self._fail(*self._attribute(errors, dead), "during the transfer")
-        final = {w.name: results[f"{w.name}/receive"] for w in direct}
-        final.update({w.name: results[f"{w.name}/commit"] for w in [*ipc, *bcast]})
+        final = {w.name: results[f"{w.name}/receive"] for w in [*direct, *ipc]}
+        final.update({w.name: results[f"{w.name}/commit"] for w in bcast})
         return final, results["trainer/send"]
 
     def _attribute(self, errors: Mapping[str, str], dead: Sequence[str]) -> tuple[dict[str, str], list[str]]:

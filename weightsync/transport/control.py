@@ -104,4 +104,4 @@ def wait_until(
             if not pid_alive(pid) and not predicate():
                 raise PeerAborted(f"{me}: the peer process (pid {pid}) ended while waiting for {what()}")
         time.sleep(delay)
-        delay = min(delay * 2, 100e-6)
+        delay = min(delay * 2, 20e-6)

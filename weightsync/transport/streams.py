@@ -96,4 +96,4 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str)
         if time.monotonic() > deadline:
             raise TransferTimeout(on_timeout)
         time.sleep(delay)
-        delay = min(delay * 2, 200e-6)
+        delay = min(delay * 2, 20e-6)
