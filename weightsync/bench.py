@@ -417,15 +417,14 @@ class Bench:
             )
 
     def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int) -> None:
-        """The hand-off floor: a direct sync's three chained Ray calls, doing nothing."""
+        """The hand-off floor: a colocated sync's shape (one call per side, started
+        together, waited for once), doing nothing."""
 
         def one() -> None:
-            begin = worker.call.remote(_nothing)
-            send = trainer.call.remote(_nothing, begin)
-            self.get(worker.call.remote(_nothing, send))
+            self.get([worker.call.remote(_nothing), trainer.call.remote(_nothing)])
 
         self.timed(
-            Case(size, "ray floor: 3 chained no-op calls", nbytes, note="begin -> send -> commit, no work"),
+            Case(size, "ray floor: one no-op call per side", nbytes, note="what any sync pays for Ray"),
             one,
             [trainer, worker],
         )
