@@ -3,6 +3,7 @@
 #
 #   bash scripts/run.sh demo [demo options]    # e.g. --workers 3 --transport broadcast
 #   bash scripts/run.sh test [pytest options]
+#   bash scripts/run.sh lint                   # ruff, mypy on weightsync/, hadolint on docker/
 #
 # torch: on a machine without an NVIDIA GPU this installs the CPU build (torch==2.13.0,
 # which the CPU machines we use serve from local disk) instead of letting a plain `torch`
@@ -14,8 +15,8 @@ cd "$(dirname "$0")/.."
 
 what="${1:-}"
 case "$what" in
-  demo|test) shift ;;
-  *) echo "usage: bash scripts/run.sh demo|test [options]" >&2; exit 2 ;;
+  demo|test|lint) shift ;;
+  *) echo "usage: bash scripts/run.sh demo|test|lint [options]" >&2; exit 2 ;;
 esac
 
 python="${PYTHON:-python3}"
@@ -38,12 +39,13 @@ if [ -z "${WEIGHTSYNC_EXTRAS+x}" ]; then
   fi
 fi
 
+extras="test,lint${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}"
 stamp=".venv/.weightsync-setup"
-want="$WEIGHTSYNC_TORCH|$WEIGHTSYNC_EXTRAS|$(cat pyproject.toml | cksum)"
+want="$WEIGHTSYNC_TORCH|$extras|$(cat pyproject.toml | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing $WEIGHTSYNC_TORCH, then weightsync[test${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}]" >&2
+  echo "setup: installing $WEIGHTSYNC_TORCH, then weightsync[$extras]" >&2
   "$py" -m pip install -q --disable-pip-version-check "$WEIGHTSYNC_TORCH"
-  "$py" -m pip install -q --disable-pip-version-check -e ".[test${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}]"
+  "$py" -m pip install -q --disable-pip-version-check -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
 
@@ -52,6 +54,15 @@ export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 
 if [ "$what" = demo ]; then
   exec "$py" -m weightsync demo "$@"
+fi
+
+if [ "$what" = lint ]; then
+  set -x
+  "$py" -m ruff check .
+  "$py" -m ruff format --check .
+  "$py" -m mypy weightsync
+  .venv/bin/hadolint docker/Dockerfile.cpu docker/Dockerfile.cuda12
+  exit 0
 fi
 
 set +e

@@ -82,15 +82,17 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 
 def _describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
-    ctx = ray.get_runtime_context()
+    # An engine's worker process outside Ray (driven by an actor that forwards to it) has
+    # no Ray node id; the coordinator then compares host names.
+    in_ray = ray.is_initialized()
     uuid = None
     if device.type == "cuda":
         from weightsync.transport.cuda_ipc import gpu_uuid
 
         uuid = gpu_uuid(device.index or 0)
     return EndpointInfo(
-        node_id=ctx.get_node_id(),
-        node_ip=ray.util.get_node_ip_address(),
+        node_id=ray.get_runtime_context().get_node_id() if in_ray else "",
+        node_ip=ray.util.get_node_ip_address() if in_ray else socket.gethostbyname(socket.gethostname()),
         hostname=socket.gethostname(),
         pid=os.getpid(),
         device=device.type,
@@ -120,6 +122,8 @@ def _communicator(spec: GroupSpec, device: torch.device, store: Any = None) -> A
 class TrainerMixin:
     """Weight-sync methods for a trainer actor. Needs ``self.model`` (or override
     ``weightsync_model``) and optionally ``self.device``."""
+
+    _ws_store: Any = None
 
     def weightsync_model(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined, no-any-return]
@@ -354,6 +358,45 @@ class WorkerMixin:
         receiver.unpacker = corrupting_unpacker  # type: ignore[method-assign]
 
 
+#: The methods the coordinator calls on a worker; :func:`forward_worker_protocol` adds them
+#: to an actor that hosts its model elsewhere (an inference engine's worker processes).
+WORKER_PROTOCOL: tuple[str, ...] = tuple(
+    name for name in vars(WorkerMixin) if name.startswith("ws_") and callable(getattr(WorkerMixin, name))
+)
+
+
+def forward_worker_protocol(cls: type) -> type:
+    """Class decorator: give ``cls`` every method of :data:`WORKER_PROTOCOL`, each calling
+    ``self.forward_weightsync(method_name, *args, **kwargs)``.
+
+    For an actor whose model lives in processes it drives, such as an inference engine
+    with its own workers (vLLM's ``collective_rpc``): those processes mix in
+    :class:`WorkerMixin`, and this actor forwards the coordinator's calls to them. Apply it
+    before ``ray.remote`` (Ray reads an actor's methods when the class is made remote)::
+
+        @ray.remote
+        @forward_worker_protocol
+        class Engine:
+            def forward_weightsync(self, method, *args, **kwargs):
+                return self.llm.collective_rpc(method, args=args, kwargs=kwargs)[0]
+    """
+    if not callable(getattr(cls, "forward_weightsync", None)):
+        raise TypeError(f"{cls.__name__} needs a forward_weightsync(method, *args, **kwargs) method")
+
+    def forwarder(method: str) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.forward_weightsync(method, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = method
+        call.__doc__ = f"Forwards {method} to the processes holding the model."
+        return call
+
+    for method in WORKER_PROTOCOL:
+        if method not in vars(cls):
+            setattr(cls, method, forwarder(method))
+    return cls
+
+
 class _ModelHost:
     """Shared body of the ready-made actors: builds the model and runs ``call``."""
 
@@ -404,5 +447,6 @@ class _Worker(_ModelHost, WorkerMixin):
         return self.ws_status()
 
 
-TrainerActor = ray.remote(_Trainer)
-WorkerActor = ray.remote(_Worker)
+# Typed as Any: Ray's stubs do not follow ``.options(...).remote(...)`` to actor handles.
+TrainerActor: Any = ray.remote(_Trainer)
+WorkerActor: Any = ray.remote(_Worker)

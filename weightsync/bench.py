@@ -164,51 +164,50 @@ def _import_per_tensor(model: torch.nn.Module, handles: list[tuple[str, Any]]) -
     return len(handles)
 
 
+#: Per actor process: the raw-broadcast baseline's communicator, store and buffer.
+_RAW: dict[str, Any] = {}
+
+
 def _gloo_join(model: torch.nn.Module, host: str, port: int, rank: int, world: int) -> None:
     from weightsync.transport.gloo import GlooCommunicator
 
-    model._bench_comm = GlooCommunicator(host, port, rank, world, "bench-raw", 300.0, bind_host=host)  # type: ignore[assignment]
+    _RAW["comm"] = GlooCommunicator(host, port, rank, world, "bench-raw", 300.0, bind_host=host)
 
 
 def _gloo_open_store(model: torch.nn.Module, host: str, world: int) -> int:
     from weightsync.transport.gloo import open_store
 
-    model._bench_store = open_store(host, 0, world, 300.0)  # type: ignore[assignment]
-    return int(model._bench_store.port)  # type: ignore[union-attr]
+    _RAW["store"] = open_store(host, 0, world, 300.0)
+    return int(_RAW["store"].port)
 
 
 def _gloo_join_root(model: torch.nn.Module, host: str, world: int) -> None:
     from weightsync.transport.gloo import GlooCommunicator
 
-    model._bench_comm = GlooCommunicator(
-        host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=model._bench_store
-    )  # type: ignore[assignment]
+    _RAW["comm"] = GlooCommunicator(host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=_RAW["store"])
 
 
 def _gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> None:
     """Root and receivers alike: one buffer of ``nbytes``, or every tensor in turn."""
     from weightsync.sinks import module_tensors
 
-    comm = model._bench_comm  # type: ignore[attr-defined]
+    comm = _RAW["comm"]
     deadline = time.monotonic() + 300
     if per_tensor:
         for _, tensor in module_tensors(model):
             comm.broadcast(tensor.detach(), 0).wait(deadline)
     else:
-        buf = getattr(model, "_bench_buf", None)
+        buf = _RAW.get("buf")
         if buf is None or buf.numel() != nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            model._bench_buf = buf  # type: ignore[assignment]
+            buf = _RAW["buf"] = torch.empty(nbytes, dtype=torch.uint8)
         comm.broadcast(buf, 0).wait(deadline)
 
 
 def _gloo_close(model: torch.nn.Module) -> None:
-    comm = getattr(model, "_bench_comm", None)
+    comm = _RAW.pop("comm", None)
     if comm is not None:
         comm.close()
-    model._bench_comm = None  # type: ignore[assignment]
-    model._bench_buf = None  # type: ignore[assignment]
-    model._bench_store = None  # type: ignore[assignment]
+    _RAW.clear()
 
 
 def _nothing(model: torch.nn.Module, *_: Any) -> None:

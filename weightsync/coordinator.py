@@ -309,8 +309,13 @@ class WeightSync:
 
     def _choose(self, trainer: EndpointInfo, w: _Worker) -> str:
         assert w.info is not None
-        same_device = (
+        same_node = (
             trainer.node_id == w.info.node_id
+            if trainer.node_id and w.info.node_id
+            else trainer.hostname == w.info.hostname
+        )
+        same_device = (
+            same_node
             and trainer.device == w.info.device
             and (trainer.device == "cpu" or trainer.gpu_uuid == w.info.gpu_uuid)
         )

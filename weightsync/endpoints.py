@@ -113,6 +113,7 @@ class WeightSender:
         ):
             self.close_transports()
             self._manifest = Manifest.build(self.specs(), buffer_bytes, num_buffers, alignment)
+        assert self._manifest is not None
         return self._manifest
 
     @property

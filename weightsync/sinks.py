@@ -31,7 +31,7 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         seen.add(id(param))
         out.append((name, param))
     for module_name, sub in module.named_modules():
-        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
         for buffer_name, buffer in sub.named_buffers(recurse=False):
             if buffer is None or buffer_name in skip or id(buffer) in seen:
                 continue

@@ -90,7 +90,7 @@ class GlooCommunicator:
                 use_libuv=True,
             )
         self._store = store
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
@@ -103,7 +103,7 @@ class GlooCommunicator:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = datetime.timedelta(seconds=self._timeout_s)
-        return _GlooWork(self._pg.broadcast([tensor], opts), self.rank, self._timeout_s)
+        return _GlooWork(self._pg.broadcast([tensor], opts), self.rank, self._timeout_s)  # type: ignore[attr-defined]
 
     def abort(self) -> None:
         pg, self._pg = self._pg, None

@@ -504,12 +504,19 @@ class IpcReceiver:
                 )
             for chunk in self.manifest.chunks:
                 g = base + chunk.index
+
+                def published(g: int = g) -> bool:
+                    return int(control[_PUBLISHED]) > g
+
+                def awaited(k: int = chunk.index) -> str:
+                    return f"the trainer to publish chunk {k}"
+
                 wait_until(
-                    lambda g=g: int(control[_PUBLISHED]) > g,
+                    published,
                     deadline,
                     control,
                     self.name,
-                    lambda k=chunk.index: f"the trainer to publish chunk {k}",
+                    awaited,
                     names,
                     peer_pid=lambda: int(control[_PRODUCER_PID]),
                 )

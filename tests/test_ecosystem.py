@@ -1,0 +1,195 @@
+"""weightsync with the models and engines RLHF teams run: Hugging Face transformers causal
+LMs (built from a config, nothing downloaded) and the inference-engine ``load_weights``
+convention, including the vLLM worker-extension example driven through a stand-in engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+from examples.vllm_worker_extension import EngineActor, WeightSyncExtension
+from tests.engine_standin import EngineLlama
+from tests.helpers import assert_bit_equal, state_of
+from tests.test_ray_e2e import get
+from weightsync import TrainerActor, WeightSync, WorkerActor
+from weightsync.actors import WORKER_PROTOCOL, forward_worker_protocol
+from weightsync.sinks import module_tensors
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+
+
+def hf_config(family: str) -> Any:
+    common = {"vocab_size": 96, "tie_word_embeddings": True}
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    return config_cls(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **common,
+    )
+
+
+def hf_model(family: str, seed: int, dtype: str) -> nn.Module:
+    """A small causal LM of ``family`` with seeded random weights (never zeros)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+    with torch.no_grad():
+        for _, tensor in module_tensors(model):
+            if tensor.dtype.is_floating_point:
+                tensor.normal_(0, 0.05)
+    return model.to(getattr(torch, dtype))
+
+
+def hf_train_step(model: nn.Module, step: int) -> float:
+    """One SGD step on a next-token loss (runs in the trainer actor)."""
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 96, (2, 12), generator=gen)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.05 * p.grad
+                p.grad = None
+    return float(loss)
+
+
+def tie_report(model: nn.Module) -> tuple[bool, bool]:
+    """(output embedding is the input embedding object, same storage)."""
+    out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight  # type: ignore[operator]
+    return out is inp, out.data_ptr() == inp.data_ptr()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_causal_lm_fp32_master_weights_reach_bf16_workers_over_every_transport(family: str, actors: Any) -> None:
+    trainer = actors.add(
+        TrainerActor.options(num_cpus=0).remote(
+            functools.partial(hf_model, family, 0, "float32"), wire_dtype=torch.bfloat16
+        )
+    )
+    workers = {
+        t: actors.add(WorkerActor.options(num_cpus=0).remote(functools.partial(hf_model, family, i + 1, "bfloat16")))
+        for i, t in enumerate(("direct", "ipc", "broadcast"))
+    }
+    with WeightSync(trainer, workers, transport={t: t for t in workers}, buffer_bytes=64 * 1024) as ws:
+        manifest = ws.setup()
+        embed = next(n for n in manifest.names if "embed" in n or n.endswith("wte.weight"))
+        assert not any("lm_head" in n for n in manifest.names), "the tied head must travel once, as the embedding"
+        assert all(s.dtype == "bfloat16" for s in manifest.specs if s.name == embed)
+        for version in (1, 2):
+            loss = get(trainer.call.remote(hf_train_step, version))
+            assert loss == loss  # a real loss, not NaN
+            report = ws.sync(version)
+            assert report.bytes == manifest.total_bytes
+            expected = {n: t.to(torch.bfloat16) for n, t in get(trainer.call.remote(state_of)).items()}
+            for transport, worker in workers.items():
+                got = get(worker.call.remote(state_of))
+                assert got.keys() == expected.keys(), transport
+                for name in expected:
+                    assert_bit_equal(got[name], expected[name], f"{transport}:{name}")
+                assert get(worker.call.remote(tie_report)) == (True, True), transport
+
+
+def engine_llama(seed: int) -> EngineLlama:
+    torch.manual_seed(seed)
+    engine = EngineLlama.like(hf_config("llama"))
+    with torch.no_grad():
+        for p in engine.parameters():
+            p.normal_(0, 0.05)
+    return engine.to(torch.bfloat16)
+
+
+def checkpoint_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return model.as_checkpoint()  # type: ignore[operator, no-any-return]
+
+
+@pytest.mark.parametrize("transport", ["ipc", "broadcast"])
+def test_engine_style_load_weights_fuses_qkv_and_gate_up_from_hf_names(transport: str, actors: Any) -> None:
+    trainer = actors.add(
+        TrainerActor.options(num_cpus=0).remote(
+            functools.partial(hf_model, "llama", 0, "float32"), wire_dtype=torch.bfloat16
+        )
+    )
+    engine = actors.add(WorkerActor.options(num_cpus=0).remote(functools.partial(engine_llama, 7), sink="load_weights"))
+    # Small buffers: the embedding and the MLP weights are split across chunks.
+    with WeightSync(trainer, {"engine": engine}, transport=transport, buffer_bytes=2048) as ws:
+        get(trainer.call.remote(hf_train_step, 1))
+        ws.sync(1)
+        expected = {n: t.to(torch.bfloat16) for n, t in get(trainer.call.remote(state_of)).items()}
+        got = get(engine.call.remote(checkpoint_of))
+        assert set(got) == set(expected) - {"lm_head.weight"}
+        for name in got:
+            assert_bit_equal(got[name], expected[name], name)
+        loaded = get(engine.call.remote(lambda m: list(m.loaded)))
+        assert "model.layers.0.self_attn.k_proj.weight" in loaded
+        assert ws.status() == {"engine": (1, "committed")}
+
+
+class FakeVllmWorker(WeightSyncExtension):
+    """What vLLM hands the extension: a worker with ``model_runner.model`` and ``device``."""
+
+    def __init__(self, seed: int) -> None:
+        self.model_runner = type("ModelRunner", (), {})()
+        self.model_runner.model = engine_llama(seed)
+        self.device = torch.device("cpu")
+
+
+class FakeLLM:
+    """``vllm.LLM``'s collective_rpc over one worker (tensor parallel size 1)."""
+
+    def __init__(self, seed: int) -> None:
+        self.workers = [FakeVllmWorker(seed)]
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
+
+
+class InspectableEngine(EngineActor):
+    def engine_checkpoint(self) -> dict[str, torch.Tensor]:
+        return self.llm.workers[0].model_runner.model.as_checkpoint()  # type: ignore[no-any-return]
+
+
+def test_vllm_worker_extension_example_syncs_through_collective_rpc(actors: Any) -> None:
+    trainer = actors.add(
+        TrainerActor.options(num_cpus=0).remote(
+            functools.partial(hf_model, "llama", 0, "float32"), wire_dtype=torch.bfloat16
+        )
+    )
+    engine = actors.add(
+        ray.remote(InspectableEngine).options(num_cpus=0).remote(llm_factory=functools.partial(FakeLLM, 3))
+    )
+    with WeightSync(trainer, {"vllm": engine}) as ws:
+        ws.setup()
+        assert ws.transports() == {"vllm": "ipc"}  # colocated, but load_weights transforms: not direct
+        for version in (1, 2):
+            get(trainer.call.remote(hf_train_step, version))
+            ws.sync(version)
+            expected = {n: t.to(torch.bfloat16) for n, t in get(trainer.call.remote(state_of)).items()}
+            got = get(engine.engine_checkpoint.remote())
+            for name in got:
+                assert_bit_equal(got[name], expected[name], name)
+        assert ws.status() == {"vllm": (2, "committed")}
+
+
+def test_forward_worker_protocol_covers_the_whole_protocol_and_refuses_a_class_without_forwarder() -> None:
+    assert {"ws_accept", "ws_receive_ipc", "ws_receive_direct", "ws_commit", "ws_status"} <= set(WORKER_PROTOCOL)
+    assert all(callable(getattr(EngineActor, m)) for m in WORKER_PROTOCOL)
+
+    class NoForwarder:
+        pass
+
+    with pytest.raises(TypeError, match="needs a forward_weightsync"):
+        forward_worker_protocol(NoForwarder)
