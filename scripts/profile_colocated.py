@@ -10,6 +10,8 @@ Cases:
   one-copy       one device copy of a buffer the model's size (the hardware figure)
   direct loop    one copy_ per tensor into another model's tensors (what ``direct`` does)
   foreach        the same copies through torch._foreach_copy_
+  mapped loop    the direct loop into another process's region mapped over CUDA IPC
+  mapped foreach the same through torch._foreach_copy_
   walk           reading the model's tensor list and checking it (per sync, on the host)
   ipc host-sync  pack chunk k, sync, unpack it, sync; two slots (what ``ipc`` does today)
   ipc events     the same with the slots ordered by CUDA events only, one sync at the end
@@ -21,13 +23,17 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 from weightsync.endpoints import WeightSender
 from weightsync.models import PolicyFactory
-from weightsync.packing import ChunkUnpacker, pack_chunk
+from weightsync.packing import ChunkUnpacker, pack_chunk, typed_view
 from weightsync.sinks import module_tensors
+from weightsync.transport.cuda_ipc import CudaRegion, map_cuda_ipc
+from weightsync.transport.direct import layout
 
 
 def gpu_ms(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
@@ -44,6 +50,13 @@ def gpu_ms(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
             walls.append((t2 - t0) * 1e3)
             launches.append((t1 - t0) * 1e3)
     return statistics.median(walls), statistics.median(launches)
+
+
+def _export_region(nbytes: int, handles: Any, done: Any) -> None:
+    """Child process: allocate and export a region, keep it until told to stop."""
+    region = CudaRegion(nbytes, torch.device("cuda", 0), "profile")
+    handles.put(region.handle())
+    done.wait(600)
 
 
 def main() -> None:
@@ -67,8 +80,8 @@ def main() -> None:
     report("one-copy", *gpu_ms(lambda: pair[1].copy_(pair[0]), args.repeats))
     pair.clear()
 
-    sources = [t for _, t in module_tensors(src)]
-    dests = [t for _, t in module_tensors(dst)]
+    sources = [t.detach() for _, t in module_tensors(src)]
+    dests = [t.detach() for _, t in module_tensors(dst)]
 
     def loop() -> None:
         with torch.no_grad():
@@ -78,6 +91,20 @@ def main() -> None:
     report("direct loop", *gpu_ms(loop, args.repeats))
     with torch.no_grad():
         report("foreach", *gpu_ms(lambda: torch._foreach_copy_(dests, sources), args.repeats))
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_export_region, args=(total, handles, done))
+    child.start()
+    region = map_cuda_ipc(handles.get(timeout=120), "profile")
+    offsets, _ = layout(manifest)
+    mapped = [typed_view(region, off, spec) for spec, off in zip(manifest.specs, offsets)]
+    report("mapped loop", *gpu_ms(lambda: [d.copy_(s) for d, s in zip(mapped, sources)], args.repeats))
+    with torch.no_grad():
+        report("mapped foreach", *gpu_ms(lambda: torch._foreach_copy_(mapped, sources), args.repeats))
+    mapped.clear()
+    del region
+    done.set()
+    child.join(timeout=60)
     walls = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
 from weightsync.actors import _Trainer, _Worker
 from weightsync.endpoints import WeightSender
-from weightsync.sinks import module_tensor_list, module_tensors
+from weightsync.sinks import TensorPaths, module_tensors
 from weightsync.spec import ManifestError
 
 
@@ -137,22 +137,40 @@ def test_a_trainer_killed_before_writing_leaves_workers_dirty_at_their_old_versi
         assert_bit_equal(now[name], held[name], name)
 
 
-def test_module_tensor_list_matches_module_tensors_with_tied_shared_and_nonpersistent() -> None:
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(11, 4)
-            self.block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-            self.again = self.block  # the same submodule twice
-            self.head = nn.Linear(4, 11, bias=False)
-            self.head.weight = self.embed.weight  # tied
-            self.register_buffer("steps", torch.tensor(3))
-            self.register_buffer("cache", torch.zeros(2), persistent=False)
-            self.block[1].register_buffer("scale", torch.ones(4))
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.again = self.block  # the same submodule twice
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("steps", torch.tensor(3))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+        self.block[1].register_buffer("scale", torch.ones(4))
 
+
+def test_tensor_paths_notice_every_replaced_link_and_nothing_else() -> None:
     model = Tied()
-    assert [id(t) for t in module_tensor_list(model)] == [id(t) for _, t in module_tensors(model)]
-    assert len(module_tensor_list(model)) == 7
+    names = [n for n, _ in module_tensors(model)]
+    paths = TensorPaths(model, names)
+    assert [id(t) for t in paths.tensors] == [id(t) for _, t in module_tensors(model)]
+    assert paths.unchanged()
+    model.block[0].weight.data = torch.randn(4, 4)  # same object, new storage: callers check pointers
+    model.cache = torch.ones(2)  # non-persistent: never synced
+    assert TensorPaths(model, names).unchanged() and paths.unchanged()
+    changes = [
+        lambda m: setattr(m.block[0], "weight", nn.Parameter(torch.randn(4, 4))),
+        lambda m: setattr(m.head, "weight", nn.Parameter(torch.randn(11, 4))),  # untied
+        lambda m: m.block.__setitem__(1, nn.LayerNorm(4)),
+        lambda m: setattr(m, "steps", torch.tensor(4)),
+        lambda m: setattr(m, "again", nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))),
+    ]
+    for i, change in enumerate(changes):
+        model = Tied()
+        paths = TensorPaths(model, [n for n, _ in module_tensors(model)])
+        change(model)
+        assert not paths.unchanged(), f"change {i} went unnoticed"
 
 
 def test_sender_sees_a_replaced_parameter_and_refuses_a_reshaped_one() -> None:

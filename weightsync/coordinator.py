@@ -439,7 +439,8 @@ class WeightSync:
                 self._metrics.failed()
                 raise
             self._metrics.record(report)
-            log.info(report.summary())
+            if log.isEnabledFor(logging.INFO):
+                log.info(report.summary())
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from weightsync.packing import ChunkUnpacker
-from weightsync.sinks import ModuleSink, Sink, module_tensor_list, module_tensors, same_objects
+from weightsync.sinks import ModuleSink, Sink, TensorPaths, module_tensors
 from weightsync.spec import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUFFER_BYTES,
@@ -82,7 +82,7 @@ class WeightSender:
         self.broadcast: BroadcastSender | None = None
         self.ipc: IpcSender | None = None
         self.direct: DirectWriter | None = None
-        self._checked: list[torch.Tensor] = []  # module_tensor_list at the last full check
+        self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -131,11 +131,10 @@ class WeightSender:
         """
         manifest = self.current_manifest
         plain = self.model is not None and self.source is None and self.transform is None
-        if plain:
-            current = module_tensor_list(self.model)  # type: ignore[arg-type]
-            if same_objects(current, self._checked) and all(
-                tuple(t.shape) == spec.shape for t, spec in zip(current, manifest.specs)
-            ):
+        paths = self._paths
+        if plain and paths is not None and paths.unchanged():
+            current = paths.tensors
+            if all(t.shape == spec.shape for t, spec in zip(current, manifest.specs)):
                 return [t.detach() for t in current]
         pairs = self.named_tensors()
         if [n for n, _ in pairs] != list(manifest.names):
@@ -147,7 +146,7 @@ class WeightSender:
                     f"{list(spec.shape)}; run setup() again"
                 )
         if plain:
-            self._checked = current
+            self._paths = TensorPaths(self.model, manifest.names)  # type: ignore[arg-type]
         return [t for _, t in pairs]
 
     def digest(self) -> str:

@@ -40,41 +40,47 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def module_tensor_list(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors of :func:`module_tensors`, same order, without building their names.
+class TensorPaths:
+    """The objects along the path to each named tensor of a module, for a cheap re-check.
 
-    About three times cheaper, for the per-sync check that a module still holds the very
-    tensor objects it held when its names were last checked.
+    Each link (a module's ``_modules``, ``_parameters`` or ``_buffers`` entry) is recorded
+    once; :meth:`unchanged` looks each up again. If every link still holds the same object,
+    every name still reaches the same tensor object, without walking the module tree or
+    building names (which costs more per sync than the copies of a small model).
+    A tensor object can still have been given new storage (``p.data = ...``): callers
+    compare data pointers or shapes for that.
     """
-    modules: list[nn.Module] = []
-    visited: set[int] = set()
-    stack = [module]
-    while stack:  # preorder, each module once, as named_modules() walks
-        current = stack.pop()
-        if id(current) in visited:
-            continue
-        visited.add(id(current))
-        modules.append(current)
-        stack.extend(reversed([child for child in current._modules.values() if child is not None]))
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for current in modules:
-        for param in current._parameters.values():
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                out.append(param)
-    for current in modules:
-        skip = current._non_persistent_buffers_set
-        for name, buffer in current._buffers.items():
-            if buffer is None or name in skip or id(buffer) in seen:
-                continue
-            seen.add(id(buffer))
-            out.append(buffer)
-    return out
 
+    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
+        links: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
 
-def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+        def follow(name: str) -> torch.Tensor:
+            owner = module
+            *path, leaf = name.split(".")
+            for part in path:
+                child = owner._modules[part]
+                assert child is not None
+                links[(id(owner._modules), part)] = (owner._modules, part, child)  # type: ignore[assignment]
+                owner = child
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            tensor = table[leaf]
+            assert tensor is not None
+            links[(id(table), leaf)] = (table, leaf, tensor)  # type: ignore[assignment]
+            return tensor
+
+        self.tensors = [follow(name) for name in names]
+        # Every other name of a tied or shared tensor too: untying one (a new tensor under
+        # the second name) must send the caller back to a full check.
+        for alias, _ in module.named_parameters(remove_duplicate=False):
+            follow(alias)
+        for module_name, sub in module.named_modules(remove_duplicate=False):
+            for buffer_name in sub._buffers:
+                if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
+                    follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+        self._links = list(links.values())
+
+    def unchanged(self) -> bool:
+        return all(table.get(key) is obj for table, key, obj in self._links)
 
 
 class Sink(Protocol):
@@ -109,7 +115,7 @@ class ModuleSink:
         self.module = module
         self._by_name: dict[str, torch.Tensor] = {}
         self._order: list[torch.Tensor] = []
-        self._checked: list[torch.Tensor] = []  # module_tensor_list when _order was built
+        self._paths: TensorPaths | None = None  # how _order was reached, for direct syncs
 
     def held(self) -> dict[str, torch.Tensor]:
         return dict(module_tensors(self.module))
@@ -128,12 +134,13 @@ class ModuleSink:
                 self._by_name[name].copy_(tensor)
 
     def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
-        current = module_tensor_list(self.module)
-        if not same_objects(current, self._checked):
+        """The held tensors themselves, in manifest order (the direct transport reads their
+        data pointers and shapes, copies from them under no_grad, and rebinds them)."""
+        if self._paths is None or not self._paths.unchanged():
             held = self.held()
             self._order = [held[spec.name] for spec in manifest.specs]
-            self._checked = current
-        return [t.data for t in self._order]
+            self._paths = TensorPaths(self.module, manifest.names)
+        return self._order
 
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         self._order[index].data = tensor

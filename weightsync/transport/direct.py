@@ -108,11 +108,12 @@ class DirectTarget:
         else:
             region = ShmRegion(total, tag="direct")
         pointers = []
-        for index, (spec, tensor, offset) in enumerate(zip(self.manifest.specs, tensors, offsets)):
-            view = typed_view(region.tensor, offset, spec)
-            view.copy_(tensor)
-            rebind(index, view)
-            pointers.append(view.data_ptr())
+        with torch.no_grad():
+            for index, (spec, tensor, offset) in enumerate(zip(self.manifest.specs, tensors, offsets)):
+                view = typed_view(region.tensor, offset, spec)
+                view.copy_(tensor)
+                rebind(index, view)
+                pointers.append(view.data_ptr())
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.close()
