@@ -193,3 +193,13 @@ def test_forward_worker_protocol_covers_the_whole_protocol_and_refuses_a_class_w
 
     with pytest.raises(TypeError, match="needs a forward_weightsync"):
         forward_worker_protocol(NoForwarder)
+
+
+def test_hf_example_trains_syncs_and_checks_every_worker(ray_session: None, no_shm_leftovers: None) -> None:
+    from examples.hf_transformers import run
+
+    started = run("qwen2", workers=2, steps=2, transport="auto")  # raises on a differing or untied tensor
+    assert len(started) == 3
+    for handle in started:
+        with pytest.raises(ray.exceptions.RayActorError):
+            get(handle.pid.remote())
