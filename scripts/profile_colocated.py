@@ -8,10 +8,12 @@ against it. Prints one line per measurement::
 
 Cases:
   one-copy       one device copy of a buffer the model's size (the hardware figure)
-  direct loop    one copy_ per tensor into another model's tensors (what ``direct`` does)
+  direct loop    one copy_ per tensor into another model's tensors (``direct`` without CuPy)
   foreach        the same copies through torch._foreach_copy_
   mapped loop    the direct loop into another process's region mapped over CUDA IPC
   mapped foreach the same through torch._foreach_copy_
+  batched        the same copies as one kernel launch over a table (what ``direct`` does
+                 on a GPU with CuPy), into local tensors and into the mapped region
   walk           reading the model's tensor list and checking it (per sync, on the host)
   ipc host-sync  pack chunk k, sync, unpack it, sync; two slots (what ``ipc`` does today)
   ipc events     the same with the slots ordered by CUDA events only, one sync at the end
@@ -32,6 +34,7 @@ from weightsync.endpoints import WeightSender
 from weightsync.models import PolicyFactory
 from weightsync.packing import ChunkUnpacker, pack_chunk, typed_view
 from weightsync.sinks import module_tensors
+from weightsync.transport.batched_copy import BatchedCopier
 from weightsync.transport.cuda_ipc import CudaRegion, map_cuda_ipc
 from weightsync.transport.direct import layout
 
@@ -91,6 +94,11 @@ def main() -> None:
     report("direct loop", *gpu_ms(loop, args.repeats))
     with torch.no_grad():
         report("foreach", *gpu_ms(lambda: torch._foreach_copy_(dests, sources), args.repeats))
+    copier = BatchedCopier.create(torch.device("cuda", 0))
+    if copier is not None:
+        stream = torch.cuda.current_stream()
+        plan = copier.plan(dests, sources)
+        report("batched", *gpu_ms(lambda: copier.run(plan, dests, sources, stream), args.repeats))
     ctx = mp.get_context("spawn")
     handles, done = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_export_region, args=(total, handles, done))
@@ -101,6 +109,10 @@ def main() -> None:
     report("mapped loop", *gpu_ms(lambda: [d.copy_(s) for d, s in zip(mapped, sources)], args.repeats))
     with torch.no_grad():
         report("mapped foreach", *gpu_ms(lambda: torch._foreach_copy_(mapped, sources), args.repeats))
+    if copier is not None:
+        mapped_plan = copier.plan(mapped, sources)
+        report("mapped batched", *gpu_ms(lambda: copier.run(mapped_plan, mapped, sources, stream), args.repeats))
+        del mapped_plan
     mapped.clear()
     del region
     done.set()

@@ -499,18 +499,18 @@ class WeightSync:
         ipc = [] if only_direct else self._members("ipc")
         bcast = [] if only_direct else self._members("broadcast")
         seq = self._sync_seq
+        # The trainer first: its own checks and setup (source checks, the copy plan, the
+        # first IPC chunk's packing) then overlap the workers' calls being started.
+        trainer_ref = self.trainer.ws_send.remote(
+            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
+        )
         calls: dict[tuple[str, str], Any] = {}
-        # Workers first: a direct worker's announcement is then usually ready when the
-        # trainer looks for it.
         for w in direct:
             calls[(w.name, "receive")] = w.handle.ws_receive_direct.remote(version, seq, force)
         for w in ipc:
             calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, seq, verify, force)
         for w in bcast:
             calls[(w.name, "receive")] = w.handle.ws_receive_broadcast.remote(version, verify, force)
-        trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
-        )
         calls[("trainer", "send")] = trainer_ref
         for w in bcast:
             args = (version, w.transport, verify, trainer_ref, calls[(w.name, "receive")])

@@ -2,16 +2,17 @@
 
 At setup the worker moves its synced tensors into one region it exports (CUDA IPC on a
 GPU; ``/dev/shm`` on a CPU), laid out at aligned offsets, and rebinds each tensor to its
-view of the region; the trainer maps the region once. A sync is then one ``copy_`` per
-tensor from the trainer's parameter into the mapped destination (casting to the wire dtype
-on the way), with no packing buffer and no second copy.
+view of the region; the trainer maps the region once. A sync is then one copy of each
+tensor from the trainer's parameter into its mapped destination, with no packing buffer
+and no second copy: on a GPU one kernel launch over a table of all of them
+(``batched_copy``), elsewhere (and for casts to the wire dtype) one ``copy_`` per tensor.
 
 Each export carries a small control block, so a sync is one call per side, started
 together, with no Ray round trip between them::
 
     worker                                   trainer
     target.announce(seq, tensors)            writer.write(worker, sources, seq)
-      stale storage? -> "stale", return        waits for the announcement
+      stale storage? -> "stale", return        plans the copies, waits for the announcement
       else "ready"                             "stale": writes nothing, returns False
     target.await_written(seq)                  "ready": copies, synchronizes, "written"
     commit the version
@@ -35,6 +36,7 @@ import torch
 
 from weightsync.packing import align_up, typed_view
 from weightsync.spec import Manifest, WeightSyncError
+from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
 from weightsync.transport.control import (
     FIRST_FREE_WORD,
     create_control,
@@ -198,6 +200,7 @@ class _Mapped:
     export: DirectExport
     destinations: list[torch.Tensor | None]
     control: np.ndarray
+    plan: CopyPlan | None = None  # the batched copies for the sources seen last
 
 
 class DirectWriter:
@@ -211,6 +214,7 @@ class DirectWriter:
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
+        self._copier = BatchedCopier.create(device)
 
     def map(self, export: DirectExport) -> None:
         """Map a worker's export; a new export from the same worker releases the old mapping."""
@@ -240,6 +244,13 @@ class DirectWriter:
         control = mapped.control
         deadline = time.monotonic() + self.timeout_s
         try:
+            # Everything that does not depend on the worker runs before its announcement is
+            # checked: the plan, and ordering the copy stream after the caller's work.
+            copier = self._copier
+            plan = mapped.plan
+            if copier is not None and (plan is None or plan.key != plan_key(sources)):
+                plan = mapped.plan = copier.plan(mapped.destinations, sources)
+            self._streams.wait_for(0, self._streams.caller_stream())
             wait_until(
                 lambda: abs(int(control[_ANNOUNCED])) == seq + 1,
                 deadline,
@@ -251,12 +262,13 @@ class DirectWriter:
             )
             if int(control[_ANNOUNCED]) < 0:
                 return False
-            caller = self._streams.caller_stream()
-            with self._streams.use(0):
-                self._streams.wait_for(0, caller)
-                for destination, source in zip(mapped.destinations, sources):
-                    if destination is not None:
-                        destination.copy_(source)
+            if copier is not None and plan is not None:
+                copier.run(plan, mapped.destinations, sources, self._streams.stream(0))
+            else:
+                with self._streams.use(0):
+                    for destination, source in zip(mapped.destinations, sources):
+                        if destination is not None:
+                            destination.copy_(source)
             self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
             control[_WRITTEN] = seq + 1
         except BaseException:

@@ -66,6 +66,9 @@ class SlotStreams:
         if self._streams and caller is not None:
             self._streams[slot].wait_stream(caller)
 
+    def stream(self, slot: int) -> torch.cuda.Stream:
+        return self._streams[slot]
+
     def stream_pointer(self, slot: int) -> int:
         return int(self._streams[slot].cuda_stream) if self._streams else 0
 

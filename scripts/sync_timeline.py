@@ -1,0 +1,152 @@
+"""When each step of a colocated sync happens, as seen from the driver (median of many).
+
+Subclasses the trainer and worker actors to stamp the start and end of their sync calls
+(and, for ``direct``, the worker's announcement and the trainer's wait for its copies)
+with the wall clock, which every process
+on one machine shares; prints each mark in ms after ``WeightSync.sync`` was entered::
+
+    python scripts/sync_timeline.py --size 16gb --device cuda --transport direct
+
+Read it against the bench's "ray floor" row: what lies between the calls' ends and the
+sync's return is Ray's, what lies between a call's start and end is weightsync's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import ray
+
+from weightsync import WeightSync
+from weightsync.actors import _Trainer, _Worker
+from weightsync.cluster import connect
+from weightsync.endpoints import WeightSender
+from weightsync.models import PolicyFactory
+from weightsync.transport import batched_copy, direct, streams
+
+
+def _stamped(cls: Any, method: str, into: list[tuple[float, float]]) -> None:
+    """Wrap ``cls.method`` so each call appends its (start, end) wall times to ``into``."""
+    original = getattr(cls, method)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        out = original(*args, **kwargs)
+        into.append((start, time.time()))
+        return out
+
+    setattr(cls, method, wrapper)
+
+
+class StampedTrainer(_Trainer):
+    def _stamp_drain(self) -> None:
+        if "drains" in self.__dict__:
+            return
+        self.drains: list[tuple[float, float]] = []
+        self.walks: list[tuple[float, float]] = []
+        self.launches: list[tuple[float, float]] = []
+        _stamped(streams.SlotStreams, "drain", self.drains)
+        _stamped(WeightSender, "sources", self.walks)
+        _stamped(batched_copy.BatchedCopier, "run", self.launches)
+
+    def ws_send(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        self._stamp_drain()
+        out = super().ws_send(*args, **kwargs)
+        self.__dict__.setdefault("stamps", []).append((start, time.time()))
+        return out
+
+    def stamps(self) -> dict[str, list[tuple[float, float]]]:
+        return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches")}
+
+
+class StampedWorker(_Worker):
+    def _stamp_announce(self) -> None:
+        if "announced" in self.__dict__:
+            return
+        self.announced: list[float] = []
+        original = direct.DirectTarget.announce
+
+        def announce(target: direct.DirectTarget, *args: Any, **kwargs: Any) -> Any:
+            self.announced.append(time.time())
+            return original(target, *args, **kwargs)
+
+        direct.DirectTarget.announce = announce  # type: ignore[method-assign]
+
+    def ws_receive_direct(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        self._stamp_announce()
+        out = super().ws_receive_direct(*args, **kwargs)
+        self.__dict__.setdefault("stamps", []).append((start, time.time()))
+        return out
+
+    def ws_receive_ipc(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        out = super().ws_receive_ipc(*args, **kwargs)
+        self.__dict__.setdefault("stamps", []).append((start, time.time()))
+        return out
+
+    def stamps(self) -> tuple[list[tuple[float, float]], list[float]]:
+        return self.__dict__.get("stamps", []), self.__dict__.get("announced", [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1mb")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--transport", choices=["direct", "ipc"], default="direct")
+    parser.add_argument("--buffer-mib", type=int, default=1024)
+    parser.add_argument("--syncs", type=int, default=30)
+    args = parser.parse_args()
+    connect(num_cpus=4)
+    gpus = 0.5 if args.device == "cuda" else 0
+    trainer = (
+        ray.remote(StampedTrainer)
+        .options(num_cpus=0, num_gpus=gpus)
+        .remote(PolicyFactory(args.size, 0, args.device), device=args.device)
+    )
+    worker = (
+        ray.remote(StampedWorker)
+        .options(num_cpus=0, num_gpus=gpus)
+        .remote(PolicyFactory(args.size, 1, args.device), device=args.device)
+    )
+    ws = WeightSync(trainer, [worker], transport=args.transport, buffer_bytes=args.buffer_mib << 20)
+    ws.setup()
+    entered, returned = [], []
+    for version in range(1, args.syncs + 1):
+        entered.append(time.time())
+        ws.sync(version)
+        returned.append(time.time())
+    trainer_stamps = ray.get(trainer.stamps.remote(), timeout=60)
+    sends, drains = trainer_stamps["stamps"], trainer_stamps["drains"]
+    walks, launches = trainer_stamps["walks"], trainer_stamps["launches"]
+    receives, announced = ray.get(worker.stamps.remote(), timeout=60)
+    ws.close()
+    skip = 3  # warm-up
+    marks: dict[str, list[float]] = {}
+    for i in range(skip, args.syncs):
+        t0 = entered[i]
+        marks.setdefault("trainer call starts", []).append(sends[i][0] - t0)
+        marks.setdefault("worker call starts", []).append(receives[i][0] - t0)
+        if announced:
+            marks.setdefault("worker announces", []).append(announced[i] - t0)
+        if len(walks) == len(sends):
+            marks.setdefault("sources checked", []).append(walks[i][1] - t0)
+        if len(launches) == len(sends):
+            marks.setdefault("copy launch begins", []).append(launches[i][0] - t0)
+        if len(drains) == len(sends):
+            marks.setdefault("copies queued", []).append(drains[i][0] - t0)
+            marks.setdefault("copies done", []).append(drains[i][1] - t0)
+        marks.setdefault("trainer call ends", []).append(sends[i][1] - t0)
+        marks.setdefault("worker call ends", []).append(receives[i][1] - t0)
+        marks.setdefault("sync returns", []).append(returned[i] - t0)
+    print(f"{args.transport} {args.size} on {args.device}, median of {args.syncs - skip} syncs:")
+    for name, values in marks.items():
+        print(f"  {name:<20} {statistics.median(values) * 1e3:8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
