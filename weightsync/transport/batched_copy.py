@@ -20,6 +20,7 @@ the copies are complete when ``stream`` is.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,14 +104,10 @@ class BatchedCopier:
         if wrapped is None:
             import cupy
 
-            wrapped = None
-            from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
-            if from_external is not None and hasattr(stream, "__cuda_stream__"):
-                try:
-                    wrapped = from_external(stream)
-                except (TypeError, ValueError) as exc:  # an older stream protocol: use the pointer
-                    log.debug("weightsync: Stream.from_external refused torch's stream (%s)", exc)
-            if wrapped is None:
+            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external, which
+            # older CuPy lacks; ExternalStream works in both, and is made once per stream.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
                 wrapped = cupy.cuda.ExternalStream(pointer, self.device.index)
             self._streams[pointer] = wrapped
         return wrapped
