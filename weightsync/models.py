@@ -31,7 +31,8 @@ class PolicyConfig:
 
 
 #: Named sizes (fp32 unless noted): about 1 MB, 40 MB (the demo default), 115 MB, 270 MB,
-#: 0.94 GB (bf16) and an 8B-shaped 16.6 GB (bf16: 291 tensors, a 1.05 GB embedding).
+#: 0.94 GB (bf16) and an 8B-shaped 16.6 GB (bf16: 194 tensors with q/k/v and gate/up fused,
+#: a 1.05 GB embedding).
 SIZES: dict[str, PolicyConfig] = {
     "1mb": PolicyConfig(vocab=256, dim=96, layers=2, heads=4, ffn=256),
     "30mb": PolicyConfig(vocab=4096, dim=384, layers=4, heads=6, ffn=1024),
