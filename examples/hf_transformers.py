@@ -32,23 +32,38 @@ from weightsync.cluster import connect
 FAMILIES = ("llama", "qwen2", "gpt2")
 
 
-def small_config(family: str, vocab: int = 512) -> Any:
-    """A few-MB model of ``family`` with its embeddings tied (as many small LMs ship)."""
+def small_config(
+    family: str,
+    vocab: int = 512,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 352,
+    positions: int = 256,
+) -> Any:
+    """A small model of ``family`` (a few MB by default) with its embeddings tied, as many
+    small LMs ship."""
     import transformers
 
     if family == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=vocab, n_embd=128, n_layer=4, n_head=4, n_positions=256, tie_word_embeddings=True
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=positions,
+            tie_word_embeddings=True,
         )
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
     return config_cls(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
         tie_word_embeddings=True,
     )
 

@@ -13,6 +13,7 @@ import ray
 import torch
 from torch import nn
 
+from examples.hf_transformers import small_config
 from examples.vllm_worker_extension import EngineActor, WeightSyncExtension
 from tests.engine_standin import EngineLlama
 from tests.helpers import assert_bit_equal, state_of
@@ -27,19 +28,8 @@ FAMILIES = ("llama", "qwen2", "gpt2")
 
 
 def hf_config(family: str) -> Any:
-    common = {"vocab_size": 96, "tie_word_embeddings": True}
-    if family == "gpt2":
-        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
-    return config_cls(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **common,
-    )
+    """A tiny tied causal LM config of ``family`` (the example's builder, smaller)."""
+    return small_config(family, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, positions=64)
 
 
 def hf_model(family: str, seed: int, dtype: str) -> nn.Module:
