@@ -64,33 +64,23 @@ class StampedTrainer(_Trainer):
 
 
 class StampedWorker(_Worker):
-    def _stamp_announce(self) -> None:
-        if "announced" in self.__dict__:
-            return
-        self.announced: list[float] = []
-        original = direct.DirectTarget.announce
-
-        def announce(target: direct.DirectTarget, *args: Any, **kwargs: Any) -> Any:
-            self.announced.append(time.time())
-            return original(target, *args, **kwargs)
-
-        direct.DirectTarget.announce = announce  # type: ignore[method-assign]
+    def _timed(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        if "announced" not in self.__dict__:
+            self.announced: list[tuple[float, float]] = []
+            _stamped(direct.DirectTarget, "announce", self.announced)
+        out = call(*args, **kwargs)
+        self.__dict__.setdefault("stamps", []).append((start, time.time()))
+        return out
 
     def ws_receive_direct(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
-        self._stamp_announce()
-        out = super().ws_receive_direct(*args, **kwargs)
-        self.__dict__.setdefault("stamps", []).append((start, time.time()))
-        return out
+        return self._timed(super().ws_receive_direct, *args, **kwargs)
 
     def ws_receive_ipc(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
-        out = super().ws_receive_ipc(*args, **kwargs)
-        self.__dict__.setdefault("stamps", []).append((start, time.time()))
-        return out
+        return self._timed(super().ws_receive_ipc, *args, **kwargs)
 
     def stamps(self) -> tuple[list[tuple[float, float]], list[float]]:
-        return self.__dict__.get("stamps", []), self.__dict__.get("announced", [])
+        return self.__dict__.get("stamps", []), [start for start, _ in self.__dict__.get("announced", [])]
 
 
 def main() -> None:
