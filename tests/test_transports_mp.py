@@ -169,11 +169,14 @@ def test_producer_keeps_in_flight_chunks_intact_and_drains_before_returning(num_
 
 def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
     store = open_store("127.0.0.1", 0, 2, 5.0)
-    queue = CTX.Queue()
+    queue, ready = CTX.Queue(), CTX.Queue()
     # A peer that joins the group and then never receives.
-    child = CTX.Process(target=_join_and_idle, args=(store.port, queue))
+    child = CTX.Process(target=_join_and_idle, args=(store.port, queue, ready))
     child.start()
     try:
+        # The group's 2 s timeout also bounds its forming: join only once the child has
+        # started up (a spawned interpreter importing torch can take longer than that).
+        assert ready.get(timeout=120) == "joining"
         comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "idle", 2.0, store=store)
         model = Holder(seed=0)
         sender = BroadcastSender(comm, Manifest.build(WeightSender(model).specs(), 8192, 2), 1.0)
@@ -189,7 +192,8 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         child.join(timeout=60)
 
 
-def _join_and_idle(port: int, queue) -> None:  # type: ignore[no-untyped-def]
+def _join_and_idle(port: int, queue, ready) -> None:  # type: ignore[no-untyped-def]
+    ready.put("joining")
     comm = GlooCommunicator("127.0.0.1", port, 1, 2, "idle", 2.0)
     queue.get(timeout=120)
     comm.close()
