@@ -49,7 +49,7 @@ class StampedTrainer(_Trainer):
         self.walks: list[tuple[float, float]] = []
         self.launches: list[tuple[float, float]] = []
         _stamped(streams.SlotStreams, "drain", self.drains)
-        _stamped(WeightSender, "sources", self.walks)
+        _stamped(WeightSender, "checked_sources", self.walks)
         _stamped(batched_copy.BatchedCopier, "run", self.launches)
 
     def ws_send(self, *args: Any, **kwargs: Any) -> Any:

@@ -191,6 +191,23 @@ def test_sender_sees_a_replaced_parameter_and_refuses_a_reshaped_one() -> None:
         sender.sources()
 
 
+def test_sender_keeps_its_copy_key_until_a_tensor_gets_new_storage() -> None:
+    model = MixedModel(seed=0)
+    sender = WeightSender(model)
+    manifest = sender.manifest(4096, 2)
+    index = manifest.names.index("linear.weight")
+    first, key = sender.checked_sources()  # the full check, which names every tensor
+    tensors, same = sender.checked_sources()
+    assert same is key  # nothing moved: a copy plan keyed on it is reused by identity
+    assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in first]
+    assert tensors[index] is model.linear.weight  # the parameter itself, copied under no_grad
+    model.linear.weight.data = random_tensor(tuple(model.linear.weight.shape), model.linear.weight.dtype, 12)
+    _, moved = sender.checked_sources()
+    assert moved is not key and moved != key
+    assert moved[index][0] == model.linear.weight.data_ptr() != key[index][0]
+    assert [t.requires_grad for t in sender.sources()] == [False] * len(manifest.specs)
+
+
 def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: Any) -> None:
     from weightsync.models import PolicyFactory, train_step
 

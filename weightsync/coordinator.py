@@ -233,16 +233,19 @@ class WeightSync:
         depended on died is an error, not a death of its own party.
         """
         by_ref = {ref: name for name, ref in calls.items()}
-        ready, pending = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout)
+        refs = list(by_ref)
+        deadline = time.monotonic() + timeout
         results: dict[str, Any] = {}
         errors: dict[str, str] = {}
         dead: list[str] = []
-        if not pending:
-            try:  # the common case, in one call
-                values = ray.get(ready, timeout=1.0)
-                return {by_ref[ref]: value for ref, value in zip(ready, values)}, errors, dead
-            except Exception:  # noqa: BLE001 - told apart per call below
-                pass
+        try:  # the common case, in one call
+            values = ray.get(refs, timeout=timeout)
+            return {by_ref[ref]: value for ref, value in zip(refs, values)}, errors, dead
+        except Exception:  # noqa: BLE001 - a failure or a timeout; told apart per call below
+            pass
+        # Something failed: let the other calls finish (each has its own deadline) so
+        # every party's outcome is known, then sort them.
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
         for ref in ready:
             name = by_ref[ref]
             try:

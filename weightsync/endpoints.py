@@ -32,6 +32,7 @@ from weightsync.spec import (
     WeightSyncError,
     dtype_name,
 )
+from weightsync.transport.batched_copy import PlanKey, plan_key
 from weightsync.transport.broadcast import BroadcastReceiver, BroadcastSender, Communicator
 from weightsync.transport.direct import DirectExport, DirectTarget, DirectWriter
 from weightsync.transport.ipc import ChunkHandle, IpcExport, IpcReceiver, IpcSender
@@ -83,6 +84,7 @@ class WeightSender:
         self.ipc: IpcSender | None = None
         self.direct: DirectWriter | None = None
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
+        self._checked_key: PlanKey | None = None  # their layout when last checked
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -123,19 +125,32 @@ class WeightSender:
         return self._manifest
 
     def sources(self) -> list[torch.Tensor]:
-        """This sync's tensors in manifest order; refuses a model that changed shape since.
+        """This sync's tensors in manifest order, detached; see :meth:`checked_sources`."""
+        return [t.detach() for t in self.checked_sources()[0]]
 
-        Names are checked again only when the module no longer holds the very tensor
-        objects it held at the last check: walking and naming every tensor each sync
-        costs more than the copies of a small model.
+    def checked_sources(self) -> tuple[list[torch.Tensor], PlanKey]:
+        """This sync's tensors in manifest order and their :func:`plan_key`; refuses a model
+        that changed shape since setup.
+
+        The tensors may be the module's own parameters, not detached (detaching 194 of them
+        costs more than checking them): copy from them under ``torch.no_grad()``. Names are
+        checked again only when the module no longer holds the very tensor objects it held
+        at the last check: walking and naming every tensor each sync costs more than the
+        copies of a small model. The key of the last checked tensors is kept, and returned
+        as the same object while nothing moved, so a copy plan keyed on it is reused with
+        an identity check.
         """
         manifest = self.current_manifest
         plain = self.model is not None and self.source is None and self.transform is None
         paths = self._paths
         if plain and paths is not None and paths.unchanged():
             current = paths.tensors
-            if all(t.shape == spec.shape for t, spec in zip(current, manifest.specs)):
-                return [t.detach() for t in current]
+            key = plan_key(current)
+            if key == self._checked_key:
+                return current, self._checked_key
+            if all(row[1] == spec.shape for row, spec in zip(key, manifest.specs)):
+                self._checked_key = key
+                return current, key
         pairs = self.named_tensors()
         if [n for n, _ in pairs] != list(manifest.names):
             raise ManifestError(f"{self.name}: the model's tensors changed since setup; run setup() again")
@@ -145,9 +160,12 @@ class WeightSender:
                     f"{self.name}: tensor {name} is now {list(tensor.shape)}, the manifest says "
                     f"{list(spec.shape)}; run setup() again"
                 )
+        tensors = [t for _, t in pairs]
+        key = plan_key(tensors)
         if plain:
             self._paths = TensorPaths(self.model, manifest.names)  # type: ignore[arg-type]
-        return [t for _, t in pairs]
+            self._checked_key = key
+        return tensors, key
 
     def digest(self) -> str:
         manifest = self.current_manifest
@@ -188,8 +206,8 @@ class WeightSender:
         the workers skipped because their tensors moved since their export."""
         if self.direct is None:
             raise WeightSyncError(f"{self.name}: no direct export is mapped")
-        sources = self.sources()
-        return [w for w in workers if not self.direct.write(w, sources, sync_seq)]
+        sources, key = self.checked_sources()
+        return [w for w in workers if not self.direct.write(w, sources, sync_seq, key)]
 
     def close_broadcast(self, abort: bool = False) -> None:
         if self.broadcast is not None:

@@ -7,8 +7,8 @@ took 8.38 ms where one copy of the same bytes took 7.81 ms. One launch over a ta
 (source, destination, length) entries streams all of it without those gaps.
 
 The table is built once per set of source tensors (:class:`CopyPlan`) and kept on the
-device; a sync whose sources are the same tensors (the same data pointers, dtypes and
-strides) reuses it. Pairs the kernel cannot take (a cast to another dtype, a
+device; a sync whose sources are the same tensors (the same data pointers, shapes,
+strides and dtypes) reuses it. Pairs the kernel cannot take (a cast to another dtype, a
 non-contiguous source, a length or address not a multiple of 16 bytes) are copied with
 ``copy_`` instead, on the same stream.
 
@@ -72,16 +72,22 @@ def _batchable(destination: torch.Tensor, source: torch.Tensor) -> bool:
     )
 
 
-def plan_key(sources: Sequence[torch.Tensor]) -> tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]:
-    """What a plan depends on besides its destinations: each source's address, dtype, strides."""
-    return tuple((s.data_ptr(), s.dtype, s.stride()) for s in sources)
+PlanKey = list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]
+
+
+def plan_key(sources: Sequence[torch.Tensor]) -> PlanKey:
+    """What a plan depends on besides its destinations: each source's address, shape,
+    strides and dtype. The sender recomputes it every sync (a source can be given new
+    storage between syncs) and also checks shapes against the manifest with it, so one
+    pass over the tensors serves both."""
+    return [(s.data_ptr(), s.size(), s.stride(), s.dtype) for s in sources]
 
 
 @dataclass
 class CopyPlan:
     """The device table of the batched pairs, and the indices of the pairs left to ``copy_``."""
 
-    key: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
+    key: PlanKey
     table: torch.Tensor | None
     table_view: Any  # the same memory as a CuPy array, made once
     rows: int
@@ -136,11 +142,17 @@ class BatchedCopier:
             return None
         return cls(torch.device("cuda", index), kernel)
 
-    def plan(self, destinations: Sequence[torch.Tensor | None], sources: Sequence[torch.Tensor]) -> CopyPlan:
+    def plan(
+        self,
+        destinations: Sequence[torch.Tensor | None],
+        sources: Sequence[torch.Tensor],
+        key: PlanKey | None = None,
+    ) -> CopyPlan:
         """The table for ``sources`` into ``destinations`` (None: nothing to copy there).
 
         The table holds addresses only: :meth:`run` must be given the same destinations and
         sources whose :func:`plan_key` equals ``plan.key`` (so those addresses are live).
+        ``key``, when the caller already computed it, is ``plan_key(sources)``.
         """
         rows: list[tuple[int, int, int]] = []
         leftovers: list[int] = []
@@ -164,7 +176,7 @@ class BatchedCopier:
             import cupy
 
             table_view = cupy.asarray(table)
-        return CopyPlan(plan_key(sources), table, table_view, len(rows), blocks, leftovers)
+        return CopyPlan(plan_key(sources) if key is None else key, table, table_view, len(rows), blocks, leftovers)
 
     def run(
         self,

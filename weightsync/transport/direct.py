@@ -36,7 +36,7 @@ import torch
 
 from weightsync.packing import align_up, typed_view
 from weightsync.spec import Manifest, WeightSyncError
-from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
+from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
 from weightsync.transport.control import (
     FIRST_FREE_WORD,
     create_control,
@@ -94,6 +94,7 @@ class DirectTarget:
         self._control_np: np.ndarray | None = None
         self._export: DirectExport | None = None
         self._pointers: tuple[int, ...] = ()
+        self._layout: list[tuple[int, torch.Size]] = []  # (data pointer, shape) per tensor as exported
         self.exports_made = 0
 
     def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
@@ -123,6 +124,7 @@ class DirectTarget:
         self._control, self._control_np = create_control(_WORDS, tag="dctl")
         self._control_np[_TARGET_PID] = os.getpid()
         self._pointers = tuple(pointers)
+        self._layout = [(pointer, torch.Size(spec.shape)) for pointer, spec in zip(pointers, self.manifest.specs)]
         self._export = DirectExport(session, self.name, region.handle(), offsets, self._control.handle())
         self.exports_made += 1
         return self._export
@@ -131,6 +133,8 @@ class DirectTarget:
         """Names of tensors whose storage moved since the export (never write into those)."""
         if len(tensors) != len(self._pointers):
             return [spec.name for spec in self.manifest.specs]
+        if [(t.data_ptr(), t.size()) for t in tensors] == self._layout:
+            return []
         return [
             spec.name
             for spec, tensor, pointer in zip(self.manifest.specs, tensors, self._pointers)
@@ -234,10 +238,14 @@ class DirectWriter:
         ]
         self._mapped[export.worker] = _Mapped(export, destinations, control)
 
-    def write(self, worker: str, sources: Sequence[torch.Tensor], seq: int) -> bool:
+    def write(self, worker: str, sources: Sequence[torch.Tensor], seq: int, key: PlanKey | None = None) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker
         announced it is ready; visible to the worker on return. False (nothing written)
-        when the worker announced that its tensors moved since its export."""
+        when the worker announced that its tensors moved since its export.
+
+        ``key`` is ``plan_key(sources)`` when the caller has it (the sender computes it
+        while checking its tensors); the copy plan is rebuilt whenever it differs.
+        """
         mapped = self._mapped.get(worker)
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
@@ -248,8 +256,11 @@ class DirectWriter:
             # checked: the plan, and ordering the copy stream after the caller's work.
             copier = self._copier
             plan = mapped.plan
-            if copier is not None and (plan is None or plan.key != plan_key(sources)):
-                plan = mapped.plan = copier.plan(mapped.destinations, sources)
+            if copier is not None:
+                if key is None:
+                    key = plan_key(sources)
+                if plan is None or (plan.key is not key and plan.key != key):
+                    plan = mapped.plan = copier.plan(mapped.destinations, sources, key)
             self._streams.wait_for(0, self._streams.caller_stream())
             wait_until(
                 lambda: abs(int(control[_ANNOUNCED])) == seq + 1,
@@ -262,13 +273,14 @@ class DirectWriter:
             )
             if int(control[_ANNOUNCED]) < 0:
                 return False
-            if copier is not None and plan is not None:
-                copier.run(plan, mapped.destinations, sources, self._streams.stream(0))
-            else:
-                with self._streams.use(0):
-                    for destination, source in zip(mapped.destinations, sources):
-                        if destination is not None:
-                            destination.copy_(source)
+            with torch.no_grad():  # sources may be parameters that require grad
+                if copier is not None and plan is not None:
+                    copier.run(plan, mapped.destinations, sources, self._streams.stream(0))
+                else:
+                    with self._streams.use(0):
+                        for destination, source in zip(mapped.destinations, sources):
+                            if destination is not None:
+                                destination.copy_(source)
             self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
             control[_WRITTEN] = seq + 1
         except BaseException:
