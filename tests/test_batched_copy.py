@@ -1,6 +1,7 @@
 """The one-launch copy kernel behind direct writes on a GPU: bit-exact on every pair it
 takes, and the pairs it cannot take (casts, odd lengths, unaligned or strided sources)
-still copied. Marked ``cuda``; run on the H200 test machine."""
+still copied. The kernel tests are marked ``cuda`` (run on the H200 test machine); what a
+plan is keyed on, and the copier's settings, are checked on a CPU too."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ import torch
 from tests.helpers import random_tensor
 from weightsync.transport.batched_copy import BatchedCopier, plan_key
 
-pytestmark = pytest.mark.cuda
 
-
-def _copier() -> BatchedCopier:
+def _copier(threads: int = 256, unit_vectors: int = 1024) -> BatchedCopier:
     pytest.importorskip("cupy")
-    copier = BatchedCopier.create(torch.device("cuda", 0))
+    copier = BatchedCopier.create(torch.device("cuda", 0), threads, unit_vectors)
     assert copier is not None, "CuPy is installed but the batched copy kernel did not compile"
     return copier
 
@@ -42,6 +41,7 @@ def _pairs() -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     return destinations, sources
 
 
+@pytest.mark.cuda
 def test_every_pair_arrives_bit_exact_and_only_the_kernels_pairs_go_through_it() -> None:
     copier = _copier()
     destinations, sources = _pairs()
@@ -58,6 +58,7 @@ def test_every_pair_arrives_bit_exact_and_only_the_kernels_pairs_go_through_it()
         assert torch.equal(destination, source.to(destination.dtype)), f"pair {index} differs"
 
 
+@pytest.mark.cuda
 def test_a_plan_is_rebuilt_when_a_source_moves_and_the_new_bytes_arrive() -> None:
     copier = _copier()
     destinations, sources = _pairs()
@@ -70,3 +71,44 @@ def test_a_plan_is_rebuilt_when_a_source_moves_and_the_new_bytes_arrive() -> Non
     copier.run(plan, destinations, sources, stream)
     torch.cuda.synchronize()
     assert torch.equal(destinations[0], sources[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("threads", "unit_vectors"), [(32, 1), (1024, 1024), (256, 3)])
+def test_other_block_shapes_copy_the_same_bytes(threads: int, unit_vectors: int) -> None:
+    copier = _copier(threads, unit_vectors)
+    destinations, sources = _pairs()
+    plan = copier.plan(destinations, sources)
+    copier.run(plan, destinations, sources, torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    for index, (destination, source) in enumerate(zip(destinations, sources)):
+        if destination is not None:
+            assert torch.equal(destination, source.to(destination.dtype)), f"pair {index} differs"
+
+
+def test_plan_key_changes_when_a_source_gets_new_storage_shape_or_dtype() -> None:
+    weight = random_tensor((8, 6), torch.float32, 1)
+    bias = random_tensor((6,), torch.float32, 2)
+    key = plan_key([weight, bias])
+    assert plan_key([weight, bias]) == key
+    changed = [
+        [random_tensor((8, 6), torch.float32, 3), bias],  # new storage, same shape
+        [weight.view(6, 8), bias],  # same storage, new shape
+        [weight.view(torch.int32), bias],  # same storage, new dtype
+        [weight.t(), bias],  # same storage, new strides
+    ]
+    for index, sources in enumerate(changed):
+        assert plan_key(sources) != key, f"change {index} kept the key"
+
+
+@pytest.mark.parametrize(
+    ("threads", "unit_vectors", "message"),
+    [(100, 1024, "multiple of 32 from 32 to 1024, got 100"), (2048, 1024, "got 2048"), (256, 0, "at least 1, got 0")],
+)
+def test_copier_settings_out_of_range_are_refused_by_name(threads: int, unit_vectors: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchedCopier.create(torch.device("cpu"), threads, unit_vectors)
+
+
+def test_no_copier_off_cuda() -> None:
+    assert BatchedCopier.create(torch.device("cpu")) is None
