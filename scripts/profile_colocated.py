@@ -120,7 +120,7 @@ def main() -> None:
     walls = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        sender.sources()
+        sender.checked_sources()
         walls.append((time.perf_counter() - t0) * 1e3)
     print(f"{'walk':<14} {statistics.median(walls):9.2f} ms (host only)")
 

@@ -63,8 +63,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS) weightsync_batched_copy
 """
 
 
-def _batchable(destination: torch.Tensor, source: torch.Tensor) -> bool:
-    nbytes = destination.numel() * destination.element_size()
+def _batchable(destination: torch.Tensor, source: torch.Tensor, nbytes: int) -> bool:
     return (
         nbytes > 0
         and source.dtype == destination.dtype
@@ -174,8 +173,8 @@ class BatchedCopier:
         for index, (destination, source) in enumerate(zip(destinations, sources)):
             if destination is None:
                 continue
-            if _batchable(destination, source):
-                nbytes = destination.numel() * destination.element_size()
+            nbytes = destination.numel() * destination.element_size()
+            if _batchable(destination, source, nbytes):
                 rows.append((source.data_ptr(), destination.data_ptr(), nbytes // _VECTOR))
             else:
                 leftovers.append(index)

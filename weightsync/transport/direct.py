@@ -93,7 +93,6 @@ class DirectTarget:
         self._control: ShmRegion | None = None
         self._control_np: np.ndarray | None = None
         self._export: DirectExport | None = None
-        self._pointers: tuple[int, ...] = ()
         self._layout: list[tuple[int, torch.Size]] = []  # (data pointer, shape) per tensor as exported
         self.exports_made = 0
 
@@ -123,7 +122,6 @@ class DirectTarget:
         self._region = region
         self._control, self._control_np = create_control(_WORDS, tag="dctl")
         self._control_np[_TARGET_PID] = os.getpid()
-        self._pointers = tuple(pointers)
         self._layout = [(pointer, torch.Size(spec.shape)) for pointer, spec in zip(pointers, self.manifest.specs)]
         self._export = DirectExport(session, self.name, region.handle(), offsets, self._control.handle())
         self.exports_made += 1
@@ -131,15 +129,12 @@ class DirectTarget:
 
     def stale(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Names of tensors whose storage moved since the export (never write into those)."""
-        if len(tensors) != len(self._pointers):
+        if len(tensors) != len(self._layout):
             return [spec.name for spec in self.manifest.specs]
-        if [(t.data_ptr(), t.size()) for t in tensors] == self._layout:
+        current = [(t.data_ptr(), t.size()) for t in tensors]
+        if current == self._layout:
             return []
-        return [
-            spec.name
-            for spec, tensor, pointer in zip(self.manifest.specs, tensors, self._pointers)
-            if tensor.data_ptr() != pointer or tuple(tensor.shape) != spec.shape
-        ]
+        return [spec.name for spec, now, then in zip(self.manifest.specs, current, self._layout) if now != then]
 
     def announce(self, seq: int, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Tell the writer whether sync ``seq`` may write; returns the stale tensors' names
