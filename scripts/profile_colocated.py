@@ -30,13 +30,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from weightsync.endpoints import WeightSender
 from weightsync.models import PolicyFactory
 from weightsync.packing import ChunkUnpacker, pack_chunk, typed_view
+from weightsync.sender import WeightSender
 from weightsync.sinks import module_tensors
 from weightsync.transport.batched_copy import BatchedCopier
 from weightsync.transport.cuda_ipc import CudaRegion, map_cuda_ipc
-from weightsync.transport.direct import layout
+from weightsync.wire import SyncSettings
 
 
 def gpu_ms(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
@@ -72,7 +72,7 @@ def main() -> None:
     src = PolicyFactory(args.size, 0, "cuda")()
     dst = PolicyFactory(args.size, 1, "cuda")()
     sender = WeightSender(model=src, device=torch.device("cuda", 0))
-    manifest = sender.manifest(args.buffer_mib << 20, 2, 256)
+    manifest = sender.manifest(SyncSettings(buffer_bytes=args.buffer_mib << 20))
     total = manifest.total_bytes
     print(f"model {args.size}: {len(manifest.specs)} tensors, {total / 1e9:.2f} GB, {len(manifest.chunks)} chunks")
 
@@ -104,7 +104,7 @@ def main() -> None:
     child = ctx.Process(target=_export_region, args=(total, handles, done))
     child.start()
     region = map_cuda_ipc(handles.get(timeout=120), "profile")
-    offsets, _ = layout(manifest)
+    offsets, _ = manifest.region_layout()
     mapped = [typed_view(region, off, spec) for spec, off in zip(manifest.specs, offsets)]
     report("mapped loop", *gpu_ms(lambda: [d.copy_(s) for d, s in zip(mapped, sources)], args.repeats))
     with torch.no_grad():
@@ -126,7 +126,7 @@ def main() -> None:
 
     slots = torch.empty(2, args.buffer_mib << 20, dtype=torch.uint8, device="cuda")
     pack_stream, unpack_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    srcs = sender.sources()
+    srcs = list(sender.checked_sources().tensors)
 
     def ipc(host_sync: bool) -> None:
         unpacker = ChunkUnpacker(manifest.specs, dests.__getitem__, False)

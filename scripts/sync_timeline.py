@@ -23,8 +23,8 @@ import ray
 from weightsync import WeightSync
 from weightsync.actors import _Trainer, _Worker
 from weightsync.cluster import connect
-from weightsync.endpoints import WeightSender
 from weightsync.models import PolicyFactory
+from weightsync.sender import WeightSender
 from weightsync.transport import batched_copy, direct, streams
 
 
@@ -68,16 +68,13 @@ class StampedWorker(_Worker):
         start = time.time()
         if "announced" not in self.__dict__:
             self.announced: list[tuple[float, float]] = []
-            _stamped(direct.DirectTarget, "announce", self.announced)
+            _stamped(direct.DirectTarget, "stale", self.announced)  # checked right before announcing
         out = call(*args, **kwargs)
         self.__dict__.setdefault("stamps", []).append((start, time.time()))
         return out
 
-    def ws_receive_direct(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().ws_receive_direct, *args, **kwargs)
-
-    def ws_receive_ipc(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().ws_receive_ipc, *args, **kwargs)
+    def ws_receive(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().ws_receive, *args, **kwargs)
 
     def stamps(self) -> tuple[list[tuple[float, float]], list[float]]:
         return self.__dict__.get("stamps", []), [start for start, _ in self.__dict__.get("announced", [])]

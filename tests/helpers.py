@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from weightsync.sinks import module_tensors
-from weightsync.spec import ALLOWED_DTYPES
+from weightsync.wire import ALLOWED_DTYPES
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

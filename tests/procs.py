@@ -15,11 +15,11 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import torch
 
 from tests.helpers import random_tensor
-from weightsync.endpoints import WeightReceiver, WeightSender
+from weightsync import WeightReceiver, WeightSender
 from weightsync.packing import ChunkUnpacker
 from weightsync.sinks import LoadWeightsSink
-from weightsync.spec import Manifest
 from weightsync.transport.gloo import GlooCommunicator
+from weightsync.wire import Manifest
 
 LAYOUT = [
     ("embed", (300, 40), torch.bfloat16),  # 24000 bytes: split across 8 KiB buffers

@@ -19,7 +19,7 @@ from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
 from weightsync.actors import _Trainer, _Worker
 from weightsync.models import PolicyFactory, train_step
-from weightsync.spec import ALLOWED_DTYPES, dtype_name
+from weightsync.wire import ALLOWED_DTYPES, dtype_name
 
 pytestmark = pytest.mark.cuda
 
@@ -128,9 +128,12 @@ def test_importer_maps_once_and_releases_once(actors: Any) -> None:
 
 
 def test_handle_for_another_gpu_is_refused_with_a_clear_error() -> None:
-    from weightsync.transport.cuda_ipc import CudaIpcHandle, DeviceMismatch, map_cuda_ipc
+    from weightsync.transport.cuda_ipc import map_cuda_ipc
+    from weightsync.wire import CudaIpcHandle, DeviceMismatch
 
-    handle = CudaIpcHandle("GPU-00000000-0000-0000-0000-000000000000", tuple(range(15)), 1024, "s")
+    handle = CudaIpcHandle(
+        gpu_uuid="GPU-00000000-0000-0000-0000-000000000000", rebuild_args=tuple(range(15)), nbytes=1024, session="s"
+    )
     with pytest.raises(DeviceMismatch, match="GPU-00000000-0000-0000-0000-000000000000, which is not visible here"):
         map_cuda_ipc(handle, "worker-3")
 
@@ -207,10 +210,10 @@ def test_direct_reexports_a_swapped_parameter_and_never_writes_stale(actors: Any
 
 
 class ExitingWorker(GpuWorker):
-    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
-        if version == 2:
+    def ws_receive(self, call: Any) -> Any:
+        if call.version == 2:
             os._exit(3)
-        return super().ws_receive_direct(version, sync_seq, force)
+        return super().ws_receive(call)
 
 
 def test_direct_worker_killed_during_the_sync_is_named_and_the_trainer_stays_usable(actors: Any) -> None:
@@ -257,25 +260,19 @@ def _as_dtype(dtype: str, seed: int) -> nn.Module:
 class DiesMidReceive(GpuWorker):
     """Queues the first chunks' copies out (their events recorded), then dies on chunk 2."""
 
-    def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> Any:
-        if version == 2:
-            receiver = self._wr()
-            original = receiver.unpacker
+    def ws_receive(self, call: Any) -> Any:
+        if call.version == 2:
+            from weightsync.packing import ChunkUnpacker
 
-            def dying_unpacker() -> Any:
-                unpacker = original()
-                inner = unpacker.unpack
+            inner = ChunkUnpacker.unpack
 
-                def unpack(chunk: Any, buffer: torch.Tensor) -> Any:
-                    if chunk.index == 2:
-                        os._exit(3)
-                    return inner(chunk, buffer)
+            def unpack(unpacker: Any, chunk: Any, buffer: torch.Tensor) -> Any:
+                if chunk.index == 2:
+                    os._exit(3)
+                return inner(unpacker, chunk, buffer)
 
-                unpacker.unpack = unpack
-                return unpacker
-
-            receiver.unpacker = dying_unpacker
-        return super().ws_receive_ipc(version, sync_seq, verify, force)
+            ChunkUnpacker.unpack = unpack  # type: ignore[method-assign]
+        return super().ws_receive(call)
 
 
 def test_ipc_worker_killed_with_copies_in_flight_leaves_the_trainer_usable(actors: Any) -> None:

@@ -17,11 +17,11 @@ from torch import nn
 
 from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, state_of
 from tests.test_ray_e2e import assert_workers_match, get
-from weightsync import SyncError, WeightSync
+from weightsync import Status, SyncError, WeightSync
 from weightsync.actors import _Trainer, _Worker
-from weightsync.endpoints import WeightSender
+from weightsync.sender import WeightSender
 from weightsync.sinks import TensorPaths, module_tensors
-from weightsync.spec import ManifestError
+from weightsync.wire import ManifestError
 
 
 class Worker(_Worker):
@@ -78,22 +78,18 @@ def test_a_worker_whose_tensor_moved_is_reexported_and_the_old_storage_never_wri
 
 
 class DiesBeforeAnnouncing(Worker):
-    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
-        if version == 2:
+    def ws_receive(self, call: Any) -> Any:
+        if call.version == 2:
             os._exit(3)
-        return super().ws_receive_direct(version, sync_seq, force)
+        return super().ws_receive(call)
 
 
 class DiesWhileWritten(Worker):
-    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> Any:
-        if version == 2:
-            target = self._ws_receiver.direct
-
-            def die(seq: int) -> None:
-                os._exit(3)
-
-            target.await_written = die
-        return super().ws_receive_direct(version, sync_seq, force)
+    def ws_receive(self, call: Any) -> Any:
+        if call.version == 2:
+            # Dies in its wait for the write, after announcing it is ready.
+            self._ws_receiver.direct._control.wait = lambda *args, **kwargs: os._exit(3)
+        return super().ws_receive(call)
 
 
 @pytest.mark.parametrize("doomed_cls", [DiesBeforeAnnouncing, DiesWhileWritten], ids=["before", "during-write"])
@@ -129,8 +125,9 @@ def test_a_trainer_killed_before_writing_leaves_workers_dirty_at_their_old_versi
     held = get(worker.call.remote(state_of))
     with pytest.raises(SyncError) as info:
         ws.sync(1)
-    assert "actor died" in info.value.failures["trainer"]
-    assert "the peer process (pid" in info.value.failures["worker-0"]
+    assert info.value.outcomes["trainer"].status is Status.DEAD
+    assert info.value.culprits == ["trainer"]
+    assert info.value.outcomes["worker-0"].error == "PeerAborted"  # saw the process end, no deadline
     assert get(worker.version.remote()) == (None, "dirty")
     now = get(worker.call.remote(state_of))
     for name in held:

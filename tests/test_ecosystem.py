@@ -175,7 +175,7 @@ def test_vllm_worker_extension_example_syncs_through_collective_rpc(actors: Any)
 
 
 def test_forward_worker_protocol_covers_the_whole_protocol_and_refuses_a_class_without_forwarder() -> None:
-    assert {"ws_accept", "ws_receive_ipc", "ws_receive_direct", "ws_commit", "ws_status"} <= set(WORKER_PROTOCOL)
+    assert {"ws_accept", "ws_receive", "ws_commit", "ws_settle", "ws_status"} <= set(WORKER_PROTOCOL)
     assert all(callable(getattr(EngineActor, m)) for m in WORKER_PROTOCOL)
 
     class NoForwarder:

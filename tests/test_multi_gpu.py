@@ -59,10 +59,10 @@ def test_nccl_memory_is_flat_over_50_syncs(actors: Any) -> None:
 
 
 class DyingWorker(GpuWorker):
-    def ws_receive_broadcast(self, version: int, verify: bool, force: bool = False) -> Any:
-        if version == 2:
+    def ws_receive(self, call: Any) -> Any:
+        if call.version == 2:
             os._exit(5)
-        return super().ws_receive_broadcast(version, verify, force)
+        return super().ws_receive(call)
 
 
 def test_worker_killed_mid_broadcast_ends_in_a_named_error_not_a_hang(actors: Any) -> None:

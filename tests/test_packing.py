@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import all_dtypes, assert_bit_equal, random_tensor
-from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk, pack_tensors, plan_chunks, unpack_tensor
-from weightsync.spec import Manifest, TensorSpec, dtype_name
+from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk, pack_tensors, unpack_tensor
+from weightsync.wire import Manifest, TensorSpec, dtype_name, plan_chunks
 
 
 def roundtrip(

@@ -94,7 +94,7 @@ def test_mixed_sync_uses_broadcast_ipc_and_direct_in_one_call(actors: Any) -> No
     trainer, workers = start(actors, 3)
     names = {"bcast": workers[0], "ipc": workers[1], "direct": workers[2]}
     with WeightSync(
-        trainer, names, transport={"bcast": "broadcast", "ipc": "ipc", "direct": "direct"}, buffer_bytes=100_000
+        trainer, names, transport={"bcast": "broadcast", "ipc": "ipc", "direct": "direct"}, buffer_bytes=100_096
     ) as ws:
         for version in (1, 2):
             get(trainer.call.remote(train_step, version))
@@ -148,10 +148,10 @@ class CheckingWorker(WorkerMixin):
         for name, tensor in items:
             own[name].data.copy_(tensor)
 
-    def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> Any:
+    def ws_receive(self, call: Any) -> Any:
         self.state["receive_calls"] += 1
-        self.state["sync"] = sync_seq
-        return super().ws_receive_ipc(version, sync_seq, verify, force)
+        self.state["sync"] = call.seq
+        return super().ws_receive(call)
 
     def call(self, fn: Any, *args: Any) -> Any:
         return fn(self.model, *args)

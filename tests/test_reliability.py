@@ -15,12 +15,21 @@ from torch import nn
 from tests.conftest import RAY_TIMEOUT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, state_of
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
-from weightsync import SetupError, SyncError, TrainerActor, VerificationError, WeightSync, WorkerActor
-from weightsync.endpoints import WeightReceiver, WeightSender
+from weightsync import (
+    SetupError,
+    SyncError,
+    TrainerActor,
+    VerificationError,
+    WeightReceiver,
+    WeightSender,
+    WeightSync,
+    WorkerActor,
+)
+from weightsync.actors import _Worker
 from weightsync.packing import ChunkUnpacker
-from weightsync.spec import Manifest, ManifestError, WeightSyncError
-from weightsync.transport.ipc import ChunkHandle
-from weightsync.transport.shm import ExportNotFound, ShmHandle, leftover_segments
+from weightsync.sinks import module_tensors
+from weightsync.transport.shm import leftover_segments
+from weightsync.wire import ChunkHandle, ExportNotFound, Manifest, ManifestError, ShmHandle, WeightSyncError
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
@@ -237,27 +246,54 @@ def test_versions_must_increase_unless_forced(actors: Any) -> None:
         assert ws.sync(3, force=True).workers[0].version == 3
 
 
+class CorruptingWorker(_Worker):
+    """Fault injection lives here, in the test: flip one bit of a received chunk, once."""
+
+    def corrupt_next(self, chunk_index: int, byte: int) -> None:
+        self._corrupt = (chunk_index, byte)
+
+    def ws_receive(self, call: Any) -> Any:
+        target = getattr(self, "_corrupt", None)
+        if target is None:
+            return super().ws_receive(call)
+        self._corrupt = None
+        original = ChunkUnpacker.unpack
+
+        def unpack(unpacker: ChunkUnpacker, chunk: Any, buffer: torch.Tensor) -> Any:
+            if chunk.index == target[0]:
+                buffer[target[1]] ^= 1
+            return original(unpacker, chunk, buffer)
+
+        ChunkUnpacker.unpack = unpack  # type: ignore[method-assign]
+        try:
+            return super().ws_receive(call)
+        finally:
+            ChunkUnpacker.unpack = original  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
 def test_verify_catches_a_flipped_bit_names_worker_and_chunk_and_the_next_sync_repairs(
     transport: str, actors: Any
 ) -> None:
     trainer = trainer_of(actors)
     clean = worker_of(actors)
-    victim = worker_of(actors, functools.partial(MixedModel, seed=2))
+    victim = actors.add(ray.remote(CorruptingWorker).options(num_cpus=0).remote(functools.partial(MixedModel, seed=2)))
     ws = WeightSync(trainer, {"clean": clean, "victim": victim}, transport=transport, buffer_bytes=1024, verify=True)
     get(trainer.call.remote(perturb, 1))
     assert ws.sync(1).verified
-    get(victim.ws_debug_corrupt_next.remote(chunk_index=1, byte=3))
+    get(victim.corrupt_next.remote(chunk_index=1, byte=3))
     get(trainer.call.remote(perturb, 2))
     with pytest.raises(SyncError) as info:
         ws.sync(2)
     text = str(info.value)
     assert "victim: " in text and "chunk 1" in text and "corrupted in transit" in text, text
-    if "clean" in info.value.failures:
+    assert "victim" in info.value.culprits
+    assert info.value.outcomes["victim"].error == "ChecksumMismatch"
+    if not info.value.outcomes["clean"].ok:
         # IPC consumers read one shared slot: the flipped bit is really there for the clean
         # worker too, or it was stopped by the victim's abort, naming the cause.
         assert transport == "ipc"
-        assert "victim failed" in info.value.failures["clean"] or "corrupted in transit" in info.value.failures["clean"]
+        assert info.value.outcomes["clean"].error in ("PeerAborted", "ChecksumMismatch")
     status = ws.status()
     assert status["victim"] == (1, "dirty")
     assert status["clean"] in ((2, "committed"), (1, "dirty"))
@@ -280,8 +316,10 @@ def test_verify_compares_full_digests_and_names_the_worker_that_differs(actors: 
         digest = ws.verify()
         assert len(digest) == 64
         get(workers["b"].call.remote(perturb, 99))
-        with pytest.raises(VerificationError, match="weights differ from the trainer's on: b"):
+        with pytest.raises(VerificationError) as info:
             ws.verify()
+        assert set(info.value.mismatches) == {"b"}
+        assert info.value.mismatches["b"] in dict(module_tensors(MixedModel()))
 
 
 # --- 5. concurrency ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from weightsync.spec import (
+from weightsync.wire import (
     ALLOWED_DTYPES,
     Manifest,
     ManifestError,

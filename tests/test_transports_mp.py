@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.procs import Holder, gloo_rank, ipc_consumer
-from weightsync.endpoints import WeightSender
-from weightsync.spec import Manifest
+from weightsync.sender import WeightSender
 from weightsync.transport.broadcast import BroadcastSender
 from weightsync.transport.gloo import GlooCommunicator, open_store
 from weightsync.transport.shm import leftover_segments
+from weightsync.wire import Manifest
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]

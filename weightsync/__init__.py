@@ -8,19 +8,35 @@ The Python API in one place::
     with weightsync.WeightSync(trainer, workers) as ws:
         report = ws.sync(version=1)
 
-Everything below the actors (spec, packing, transports, endpoints, sinks) imports no Ray
-and runs in one process; ``weightsync.actors`` and ``weightsync.coordinator`` load Ray on
-first use of the names that need it.
+Everything below the actors (the wire contract, packing, transports, endpoints, sinks)
+imports no Ray and runs in one process; ``weightsync.actors`` and ``weightsync.coordinator``
+load Ray on first use of the names that need it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from weightsync.endpoints import WeightReceiver, WeightSender, WorkerState
 from weightsync.packing import PackedChunk, pack_tensors, unpack_tensor
+from weightsync.receiver import WeightReceiver, WorkerState
+from weightsync.sender import WeightSender
 from weightsync.sinks import LoadWeightsSink, ModuleSink
-from weightsync.spec import ALLOWED_DTYPES, Manifest, TensorSpec, WeightSyncError
+from weightsync.wire import (
+    ALLOWED_DTYPES,
+    Manifest,
+    ModelChangedError,
+    Outcome,
+    SettingsError,
+    SetupError,
+    Status,
+    SyncError,
+    SyncReport,
+    SyncSettings,
+    TensorSpec,
+    VerificationError,
+    VersionError,
+    WeightSyncError,
+)
 
 __version__ = "0.1.0"
 
@@ -30,10 +46,6 @@ _RAY_NAMES = {
     "TrainerMixin": "weightsync.actors",
     "WorkerMixin": "weightsync.actors",
     "WeightSync": "weightsync.coordinator",
-    "SyncReport": "weightsync.coordinator",
-    "SyncError": "weightsync.coordinator",
-    "SetupError": "weightsync.coordinator",
-    "VerificationError": "weightsync.coordinator",
 }
 
 
@@ -50,15 +62,21 @@ __all__ = [
     "ALLOWED_DTYPES",
     "LoadWeightsSink",
     "Manifest",
+    "ModelChangedError",
     "ModuleSink",
+    "Outcome",
     "PackedChunk",
+    "SettingsError",
     "SetupError",
+    "Status",
     "SyncError",
     "SyncReport",
+    "SyncSettings",
     "TensorSpec",
     "TrainerActor",
     "TrainerMixin",
     "VerificationError",
+    "VersionError",
     "WeightReceiver",
     "WeightSender",
     "WeightSync",

@@ -5,73 +5,45 @@ Real RLHF stacks already have their own trainer and inference actors: mix
 override of ``weightsync_model()``) and hand the actor handles to
 :class:`~weightsync.coordinator.WeightSync`. The ``ws_*`` methods are the coordinator's
 protocol; they are public so the mixins work inside any actor, not for calling by hand.
+Each answers with an :class:`~weightsync.wire.outcome.Outcome` (failures as data: the
+error's class, message and whom it blames), never by raising.
 
 :class:`TrainerActor` and :class:`WorkerActor` are ready-made actors around a
-``model_factory``::
+``model_factory``; their options are declared arguments, so a misspelt one fails the
+actor's construction (and setup names the worker)::
 
-    trainer = TrainerActor.remote(model_factory, device="cpu")
-    worker = WorkerActor.remote(model_factory, device="cpu")
+    trainer = TrainerActor.remote(model_factory, device="cpu", wire_dtype=torch.bfloat16)
+    worker = WorkerActor.remote(model_factory, device="cpu", sink="module")
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
 from torch import nn
 
-from weightsync.endpoints import WeightReceiver, WeightSender, WorkerState
+from weightsync.receiver import WeightReceiver
+from weightsync.sender import WeightSender
 from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
-from weightsync.spec import Manifest, WeightSyncError
-from weightsync.transport.direct import DirectExport
 from weightsync.transport.gloo import GlooCommunicator, open_store
-from weightsync.transport.ipc import ChecksumMismatch, ChunkHandle, IpcExport
+from weightsync.wire.errors import SettingsError
+from weightsync.wire.manifest import Manifest
+from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, SyncCall
+from weightsync.wire.outcome import Outcome, failed, ok
+from weightsync.wire.settings import SyncSettings
 
 
-@dataclass(frozen=True)
-class EndpointInfo:
-    """Where an endpoint lives; the coordinator picks transports from this."""
-
-    node_id: str
-    node_ip: str
-    hostname: str
-    pid: int
-    device: str
-    gpu_uuid: str | None
-    sink_allows_direct: bool
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """A broadcast group to join: rendezvous address, this rank, and the timeout."""
-
-    name: str
-    store_host: str
-    store_port: int
-    rank: int
-    world_size: int
-    timeout_s: float
-    backend: str
-    nccl_id: tuple[int, ...] | None = None
-
-
-@dataclass
-class ReceiveResult:
-    """A worker's answer to one sync call."""
-
-    worker: str
-    version: int | None
-    state: str
-    checksums: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    #: Direct transport: tensors whose storage moved since the export (nothing written).
-    moved: list[str] = field(default_factory=list)
+def _answer(party: str, phase: str, fn: Callable[..., Any], *args: Any) -> Outcome:
+    """Run ``fn(*args)`` and turn its result, or the exception it raised, into an Outcome."""
+    try:
+        return ok(party, phase, fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the failure travels as data, with its class and blame
+        return failed(party, phase, exc)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -121,7 +93,7 @@ def _communicator(spec: GroupSpec, device: torch.device, store: Any = None) -> A
 
 class TrainerMixin:
     """Weight-sync methods for a trainer actor. Needs ``self.model`` (or override
-    ``weightsync_model``) and optionally ``self.device``."""
+    ``weightsync_model``); optionally ``self.device`` and ``self.wire_dtype``."""
 
     _ws_store: Any = None
 
@@ -142,77 +114,62 @@ class TrainerMixin:
             self._ws_sender = sender
         return sender
 
-    def ws_describe(self) -> EndpointInfo:
-        return _describe(self.weightsync_device(), True)
+    def ws_describe(self) -> Outcome:
+        return _answer("trainer", "describe", _describe, self.weightsync_device(), True)
 
-    def ws_manifest(self, buffer_bytes: int, num_buffers: int, alignment: int) -> Manifest:
-        return self._ws().manifest(buffer_bytes, num_buffers, alignment)
+    def ws_manifest(self, settings: SyncSettings) -> Outcome:
+        return _answer("trainer", "manifest", self._ws().manifest, settings)
 
-    def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> tuple[str, int]:
-        self._ws_store = open_store(host, 0, world_size, timeout_s)
-        return host, int(self._ws_store.port)
+    def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> Outcome:
+        def open_it() -> tuple[str, int]:
+            self._ws_store = open_store(host, 0, world_size, timeout_s)
+            return host, int(self._ws_store.port)
 
-    def ws_nccl_id(self) -> tuple[int, ...]:
+        return _answer("trainer", "store", open_it)
+
+    def ws_nccl_id(self) -> Outcome:
         from weightsync.transport.nccl import make_unique_id
 
-        return make_unique_id()
+        return _answer("trainer", "nccl id", make_unique_id)
 
-    def ws_join_broadcast(self, spec: GroupSpec) -> None:
-        comm = _communicator(spec, self.weightsync_device(), getattr(self, "_ws_store", None))
-        self._ws().open_broadcast(comm, spec.timeout_s)
+    def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
+        def join() -> None:
+            comm = _communicator(spec, self.weightsync_device(), self._ws_store)
+            self._ws().open_broadcast(comm, spec, members)
 
-    def ws_export_ipc(self, consumer_names: list[str], timeout_s: float) -> IpcExport:
-        return self._ws().export_ipc(consumer_names, timeout_s)
+        return _answer("trainer", "join", join)
 
-    def ws_seal_ipc(self) -> None:
-        if self._ws().ipc is not None:
-            self._ws().ipc.seal()  # type: ignore[union-attr]
+    def ws_export_ipc(self, consumer_names: list[str], timeout_s: float) -> Outcome:
+        return _answer("trainer", "export", self._ws().export_ipc, consumer_names, timeout_s)
 
-    def ws_map_direct(self, export: DirectExport, timeout_s: float) -> None:
-        self._ws().map_direct(export, timeout_s)
+    def ws_seal_ipc(self) -> Outcome:
+        ipc = self._ws().ipc
+        return _answer("trainer", "seal", ipc.seal if ipc is not None else lambda: None)
 
-    def ws_send(
-        self, broadcast: bool, ipc_consumers: list[int], sync_seq: int, direct: list[str], verify: bool
-    ) -> dict[str, Any]:
-        """One sync on the trainer: direct writes, then IPC, then the broadcast.
+    def ws_map_direct(self, export: DirectExport, timeout_s: float) -> Outcome:
+        return _answer("trainer", "map", self._ws().map_direct, export, timeout_s)
 
-        Each worker's receive call runs alongside this one; the colocated transports meet
-        it through their control blocks, with no Ray round trip in between. Returns the
-        checksums per transport (with ``verify``), the direct workers skipped because their
-        tensors moved (``direct_stale``), and the seconds spent here.
-        """
-        sender = self._ws()
-        start = time.perf_counter()
-        out: dict[str, Any] = {"broadcast": [], "ipc": [], "direct_stale": []}
-        if direct:
-            out["direct_stale"] = sender.write_direct(direct, sync_seq)
-        if ipc_consumers:
-            out["ipc"] = sender.send_ipc(sync_seq, ipc_consumers, verify)
-        if broadcast:
-            out["broadcast"] = sender.send_broadcast(verify)
-        out["seconds"] = time.perf_counter() - start
-        return out
+    def ws_send(self, call: SyncCall) -> Outcome:
+        """The trainer's side of one sync; each worker's receive runs alongside it."""
+        return _answer("trainer", "send", self._ws().send, call)
 
-    def ws_pack_ipc_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
-        return self._ws().pack_ipc_chunk(chunk_index, slot)
+    def ws_checksums(self) -> Outcome:
+        return _answer("trainer", "checksums", self._ws().checksums)
 
-    def ws_teardown(self, abort: bool = False) -> None:
-        sender = getattr(self, "_ws_sender", None)
-        if sender is not None:
-            sender.close_transports(abort)
-        self._ws_store = None
+    def ws_teardown(self, abort: bool = False) -> Outcome:
+        def teardown() -> None:
+            sender = getattr(self, "_ws_sender", None)
+            if sender is not None:
+                sender.close_transports(abort)
+            self._ws_store = None
 
-    def ws_digest(self) -> str:
-        return self._ws().digest()
-
-    def ws_forget_direct(self, worker: str) -> None:
-        if self._ws().direct is not None:
-            self._ws().direct.forget(worker)  # type: ignore[union-attr]
+        return _answer("trainer", "teardown", teardown)
 
 
 class WorkerMixin:
     """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
-    ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way."""
+    ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way, and
+    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers``."""
 
     def weightsync_model(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined, no-any-return]
@@ -220,142 +177,79 @@ class WorkerMixin:
     def weightsync_device(self) -> torch.device:
         return _resolve_device(getattr(self, "device", "cpu"))
 
-    def _wr(self, name: str | None = None) -> WeightReceiver:
+    def _wr(self) -> WeightReceiver:
         receiver = getattr(self, "_ws_receiver", None)
         if receiver is None:
             sink: Sink | None = getattr(self, "weightsync_sink", None)
             receiver = WeightReceiver(
                 sink if sink is not None else ModuleSink(self.weightsync_model()),
                 self.weightsync_device(),
-                name or "worker",
+                "worker",
                 getattr(self, "expect_buffer_bytes", None),
                 getattr(self, "expect_num_buffers", None),
             )
             self._ws_receiver = receiver
-        if name is not None:
-            receiver.name = name
         return receiver
 
-    def ws_describe(self) -> EndpointInfo:
+    def _me(self) -> str:
+        receiver = getattr(self, "_ws_receiver", None)
+        return receiver.name if receiver is not None else "worker"
+
+    def ws_describe(self) -> Outcome:
         sink = getattr(self, "weightsync_sink", None)
-        return _describe(self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+        return _answer(
+            self._me(), "describe", _describe, self.weightsync_device(), not isinstance(sink, LoadWeightsSink)
+        )
 
-    def ws_accept(self, manifest: Manifest, name: str) -> None:
-        self._wr(name).accept(manifest)
+    def ws_accept(self, manifest: Manifest, name: str) -> Outcome:
+        def accept() -> None:
+            receiver = self._wr()
+            receiver.name = name
+            receiver.accept(manifest)
 
-    def ws_join_broadcast(self, spec: GroupSpec) -> None:
-        self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), spec.timeout_s)
+        return _answer(name, "accept", accept)
 
-    def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> None:
-        self._wr().attach_ipc(export, index, timeout_s)
+    def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
+        def join() -> None:
+            self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), spec, members)
 
-    def ws_export_direct(self, timeout_s: float = 60.0) -> DirectExport:
-        return self._wr().export_direct(timeout_s)
+        return _answer(self._me(), "join", join)
 
-    def ws_seal_direct(self) -> None:
-        receiver = self._wr()
-        if receiver.direct is not None:
-            receiver.direct.seal()
+    def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> Outcome:
+        return _answer(self._me(), "attach", self._wr().attach_ipc, export, index, timeout_s)
 
-    def _result(self, checksums: list[int], start: float) -> ReceiveResult:
-        r = self._wr()
-        return ReceiveResult(r.name, r.version, r.state.value, checksums, time.perf_counter() - start)
+    def ws_export_direct(self, timeout_s: float) -> Outcome:
+        return _answer(self._me(), "export", self._wr().export_direct, timeout_s)
 
-    def _receive(self, version: int, force: bool, body: Callable[[], list[int]], commit: bool = False) -> ReceiveResult:
-        receiver = self._wr()
-        start = time.perf_counter()
-        receiver.begin(version, force)
-        try:
-            checksums = body()
-        except BaseException:
-            receiver.fail()
-            raise
-        if commit:
-            receiver.commit(version)
-        return self._result(checksums, start)
+    def ws_seal_direct(self) -> Outcome:
+        target = self._wr().direct
+        return _answer(self._me(), "seal", target.seal if target is not None else lambda: None)
 
-    def ws_receive_broadcast(self, version: int, verify: bool, force: bool = False) -> ReceiveResult:
-        """Receive every chunk; stays RECEIVING until ``ws_commit``, which runs only once the
-        trainer's side succeeded too (a collective can return on a receiver whose root died)."""
-        return self._receive(version, force, lambda: self._wr().receive_broadcast(verify))
+    def ws_receive(self, call: SyncCall) -> Outcome:
+        """This worker's side of one sync (every transport); commits unless it is a broadcast."""
+        return _answer(self._me(), "receive", self._wr().receive, call)
 
-    def ws_receive_ipc(self, version: int, sync_seq: int, verify: bool, force: bool = False) -> ReceiveResult:
-        """Receive every chunk and commit ``version``: this side saw the trainer publish every
-        chunk (and, with ``verify``, checked each one's checksum), so its weights are whole."""
-        return self._receive(version, force, lambda: self._wr().receive_ipc(sync_seq, verify), commit=True)
+    def ws_commit(self, call: SyncCall, sent: Outcome, received: Outcome) -> Outcome:
+        """A broadcast worker takes the version once the trainer's side and its own receive are
+        known. Both arrive as Ray object refs, so Ray starts this as soon as both answered."""
+        return _answer(self._me(), "commit", self._wr().commit, call, sent, received)
 
-    def ws_consume_ipc_chunk(self, handle: ChunkHandle) -> None:
-        self._wr().consume_ipc_chunk(handle)
+    def ws_settle(self) -> Outcome:
+        return _answer(self._me(), "settle", self._wr().settle)
 
-    def ws_receive_direct(self, version: int, sync_seq: int, force: bool = False) -> ReceiveResult:
-        """The worker's side of a direct sync: announce, wait for the write, commit.
-
-        Returns with ``moved`` set (version unchanged) when its tensors' storage moved
-        since the export; the coordinator then re-exports and syncs this worker again.
-        """
-        start = time.perf_counter()
-        moved = self._wr().receive_direct(version, sync_seq, force)
-        result = self._result([], start)
-        result.moved = moved
-        return result
-
-    def ws_commit(
-        self, version: int, transport: str, verify: bool, sent: dict[str, Any], received: ReceiveResult | None = None
-    ) -> ReceiveResult:
-        """Take ``version`` once the trainer's side (``sent``) and this worker's receive
-        (``received``) both succeeded; with ``verify``, only if every chunk's checksum
-        matches the trainer's. Both arrive as Ray object refs: a failure on either side
-        fails this call before it runs, so the version never moves on a failed sync."""
-        receiver = self._wr()
-        if verify and received is not None:
-            expected = sent[transport]
-            bad = [i for i, (a, b) in enumerate(zip(received.checksums, expected)) if a != b]
-            if bad or len(received.checksums) != len(expected):
-                receiver.fail()
-                which = (
-                    ", ".join(f"chunk {i}" for i in bad)
-                    or f"{len(received.checksums)} checksums for {len(expected)} chunks"
-                )
-                raise ChecksumMismatch(f"{receiver.name}: checksum mismatch ({which}): bytes corrupted in transit")
-        receiver.commit(version)
-        seconds = received.seconds if received is not None else 0.0
-        return ReceiveResult(receiver.name, receiver.version, receiver.state.value, [], seconds)
-
-    def ws_mark_dirty(self) -> None:
-        receiver = self._wr()
-        if receiver.state is not WorkerState.COMMITTED:
-            receiver.fail()
+    def ws_checksums(self) -> Outcome:
+        return _answer(self._me(), "checksums", self._wr().checksums)
 
     def ws_status(self) -> tuple[int | None, str]:
         return self._wr().status()
 
-    def ws_teardown(self, abort: bool = False) -> None:
-        receiver = getattr(self, "_ws_receiver", None)
-        if receiver is not None:
-            receiver.close_transports(abort)
+    def ws_teardown(self, abort: bool = False) -> Outcome:
+        def teardown() -> None:
+            receiver = getattr(self, "_ws_receiver", None)
+            if receiver is not None:
+                receiver.close_transports(abort)
 
-    def ws_digest(self) -> str:
-        return self._wr().digest()
-
-    def ws_debug_corrupt_next(self, chunk_index: int, byte: int = 0) -> None:
-        """Fault injection for tests: flip one bit of ``chunk_index``'s received bytes, once."""
-        receiver = self._wr()
-        original = receiver.unpacker
-
-        def corrupting_unpacker() -> Any:
-            unpacker = original()
-            inner = unpacker.unpack
-
-            def unpack(chunk: Any, buffer: torch.Tensor) -> Any:
-                if chunk.index == chunk_index:
-                    buffer[byte] ^= 1
-                    receiver.unpacker = original  # type: ignore[method-assign]
-                return inner(chunk, buffer)
-
-            unpacker.unpack = unpack  # type: ignore[method-assign]
-            return unpacker
-
-        receiver.unpacker = corrupting_unpacker  # type: ignore[method-assign]
+        return _answer(self._me(), "teardown", teardown)
 
 
 #: The methods the coordinator calls on a worker; :func:`forward_worker_protocol` adds them
@@ -400,7 +294,7 @@ def forward_worker_protocol(cls: type) -> type:
 class _ModelHost:
     """Shared body of the ready-made actors: builds the model and runs ``call``."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu", **options: Any) -> None:
+    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu") -> None:
         self.device = _resolve_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -408,40 +302,51 @@ class _ModelHost:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model_factory must return an nn.Module, got {type(model).__name__}")
         self.model = model.to(self.device)
-        for key, value in options.items():
-            setattr(self, key, value)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(model, *args, **kwargs)`` here and return its result."""
         return fn(self.model, *args, **kwargs)
-
-    def digest(self) -> str:
-        return self.ws_digest()  # type: ignore[attr-defined, no-any-return]
 
     def pid(self) -> int:
         return os.getpid()
 
 
 class _Trainer(_ModelHost, TrainerMixin):
-    """Holds the policy being trained. Options: ``wire_dtype`` (e.g. torch.bfloat16)."""
+    """Holds the policy being trained. ``wire_dtype`` (e.g. torch.bfloat16) casts floating
+    tensors on the wire."""
+
+    def __init__(
+        self, model_factory: Callable[[], nn.Module], device: str = "cpu", wire_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(model_factory, device)
+        if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
+            raise SettingsError(f"wire_dtype must be a floating torch.dtype, got {wire_dtype!r}")
+        self.wire_dtype = wire_dtype
 
 
 class _Worker(_ModelHost, WorkerMixin):
-    """Holds an inference copy. Options: ``sink="load_weights"`` to load through the
-    model's ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` to pin
-    the buffer settings this worker accepts."""
+    """Holds an inference copy. ``sink="load_weights"`` loads through the model's
+    ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` pin the buffer
+    settings this worker accepts."""
 
     def __init__(
-        self, model_factory: Callable[[], nn.Module], device: str = "cpu", sink: str = "module", **options: Any
+        self,
+        model_factory: Callable[[], nn.Module],
+        device: str = "cpu",
+        sink: str = "module",
+        expect_buffer_bytes: int | None = None,
+        expect_num_buffers: int | None = None,
     ) -> None:
-        super().__init__(model_factory, device, **options)
+        super().__init__(model_factory, device)
+        self.expect_buffer_bytes = expect_buffer_bytes
+        self.expect_num_buffers = expect_num_buffers
         if sink == "load_weights":
             load = getattr(self.model, "load_weights", None)
             if load is None:
-                raise WeightSyncError("sink='load_weights' needs a model with a load_weights method")
+                raise SettingsError("sink='load_weights' needs a model with a load_weights method")
             self.weightsync_sink = LoadWeightsSink(load)
         elif sink != "module":
-            raise ValueError(f"sink must be 'module' or 'load_weights', got {sink!r}")
+            raise SettingsError(f"sink must be 'module' or 'load_weights', got {sink!r}")
 
     def version(self) -> tuple[int | None, str]:
         return self.ws_status()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from weightsync.models import SIZES, PolicyFactory, train_step
-from weightsync.spec import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS
+from weightsync.wire.settings import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS
 
 
 def _mib(value: str) -> int:

@@ -1,104 +1,51 @@
-"""The coordinator: handshake, transport setup, timed sync sequencing, teardown.
+"""The coordinator: membership, setup, and the sequencing of every sync.
 
 Call order::
 
     with WeightSync(trainer, [w0, w1], transport="auto") as ws:   # setup() on enter
         for step in range(n):
-            ray.get(trainer.call.remote(train_step))
+            ray.get(trainer.call.remote(train_step), timeout=...)
             report = ws.sync(version=step)                          # SyncReport
+        ws.verify()                                                 # every worker against the trainer
     # close() on exit: tears down groups and exports, never the actors
 
-Per sync, each side gets one Ray call, all started together and awaited with one timed
-wait: the trainer's ``ws_send`` (direct writes, then the IPC chunks, then the broadcast)
-and each worker's receive. IPC slot hand-offs run inside those calls through a shared
-control block, so no Ray round trip happens per chunk. Direct workers are bracketed: told
-first (they enter RECEIVING and re-export if their storage moved), then written. Every
-worker commits its new version in a last, parallel call made only after the trainer's side
-(and, with ``verify``, the worker's checksums) came back good.
-
-Any failure aborts the groups, leaves the failing workers DIRTY at their last good version,
-drops workers whose actor died, and raises :class:`SyncError` naming each; the next
-``sync`` sets the transports up again for the remaining workers.
+Setup: every party describes itself, :func:`~weightsync.choice.choose_transport` picks each
+worker's transport, the trainer's Manifest goes to every worker (a mismatch is refused by
+name before any byte moves), then each transport is opened. Per sync: one Ray call per
+party, submitted together and awaited once (:func:`~weightsync.calls.gather`); a broadcast
+worker's commit is chained on the trainer's and its own answers by object refs, so it costs
+no round trip. Every answer is an Outcome; on a failure the coordinator blames from the
+outcomes (:func:`~weightsync.wire.outcome.assign_blame`), settles every worker that
+answered (a worker left mid-write is dirty), drops the workers whose actor died (reporting
+them), tears the transports down, and raises :class:`SyncError`. The next sync sets up again.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from weightsync.actors import EndpointInfo, GroupSpec, ReceiveResult
+from weightsync.calls import gather
+from weightsync.choice import REQUESTS, choose_transport
 from weightsync.metrics import SyncMetrics
-from weightsync.spec import DEFAULT_ALIGNMENT, DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, Manifest, WeightSyncError
+from weightsync.transport.control import Deadlines
+from weightsync.wire.errors import SettingsError, SetupError, SyncError, VerificationError, VersionError
+from weightsync.wire.manifest import Manifest
+from weightsync.wire.messages import EndpointInfo, GroupSpec, ReceiveResult, SendResult, SyncCall
+from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
+from weightsync.wire.report import SyncReport, WorkerReport
+from weightsync.wire.settings import SyncSettings
 
 log = logging.getLogger("weightsync")
-
-TRANSPORTS = ("broadcast", "ipc", "direct")
-
-
-class SetupError(WeightSyncError):
-    """Setup refused: a handshake mismatch or an unusable transport, named per worker."""
-
-
-class SyncError(WeightSyncError):
-    """A sync failed; ``failures`` maps each failing party to its error."""
-
-    def __init__(self, message: str, failures: Mapping[str, str], dead: Sequence[str]) -> None:
-        super().__init__(message)
-        self.failures = dict(failures)
-        self.dead = list(dead)
-
-
-class VerificationError(WeightSyncError):
-    """A worker's weights differ from the trainer's."""
-
-
-@dataclass
-class WorkerReport:
-    name: str
-    transport: str
-    version: int | None
-    state: str
-    seconds: float
-
-
-@dataclass
-class SyncReport:
-    """What one sync did: bytes, chunks, wall time, and each worker's resulting version."""
-
-    version: int
-    bytes: int
-    chunks: int
-    seconds: float
-    gbps: float
-    transports: dict[str, int]
-    workers: list[WorkerReport] = field(default_factory=list)
-    verified: bool = False
-    #: Seconds the trainer spent inside its send call: the transfer itself. The rest of
-    #: ``seconds`` is Ray hand-offs and bookkeeping.
-    send_seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    def summary(self) -> str:
-        kinds = ", ".join(f"{k}={v}" for k, v in sorted(self.transports.items()))
-        return (
-            f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
-            f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
-            f"{self.chunks} chunk(s){', verified' if self.verified else ''}"
-        )
+Calls = dict[tuple[str, str], Any]
 
 
 @dataclass
@@ -108,15 +55,27 @@ class _Worker:
     requested: str
     transport: str = ""
     info: EndpointInfo | None = None
-    ipc_index: int = -1
-    rank: int = -1
 
 
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, RayTaskError):
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        return f"{type(cause).__name__}: {cause}".replace("\n", "\n    ") if str(cause) else type(cause).__name__
-    return f"{type(exc).__name__}: {exc}"
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or name == "trainer" or "/" in name:
+        raise SettingsError(
+            f"worker name {name!r} cannot be used: names are non-empty strings, not 'trainer', without '/'"
+        )
+    if not name.isprintable() or any(c.isspace() for c in name):
+        raise SettingsError(f"worker name {name!r} cannot be used: it holds whitespace or control characters")
+    return name
+
+
+def _identity(handle: Any) -> object:
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else id(handle)
+
+
+def _message(title: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> str:
+    bad = [o for o in outcomes.values() if not o.ok]
+    bad.sort(key=lambda o: (o.party not in culprits, o.party))
+    return f"{title}; blamed: {', '.join(culprits) or 'nobody'}\n  " + "\n  ".join(o.line() for o in bad)
 
 
 class WeightSync:
@@ -124,9 +83,9 @@ class WeightSync:
 
     ``transport``: "auto" (per worker: same device -> "direct" when its sink allows it,
     else "ipc"; otherwise "broadcast"), one of "broadcast", "ipc", "direct", or a mapping of
-    worker name to transport. ``buffer_bytes``/``num_buffers``/``alignment`` are fixed here,
-    on the trainer's side, and sent to workers in the handshake. ``timeout_s`` bounds every
-    wait. ``verify`` adds per-chunk checksums to every sync.
+    worker name to transport. ``settings`` (or the same fields as keywords, which win) fix
+    the buffers, the timeout and per-sync verification; the trainer's copy is sent to every
+    worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast.
     """
 
     def __init__(
@@ -134,61 +93,79 @@ class WeightSync:
         trainer: Any,
         workers: Sequence[Any] | Mapping[str, Any],
         transport: str | Mapping[str, str] = "auto",
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        num_buffers: int = DEFAULT_NUM_BUFFERS,
-        alignment: int = DEFAULT_ALIGNMENT,
-        timeout_s: float = 120.0,
-        verify: bool = False,
+        *,
+        settings: SyncSettings | None = None,
+        buffer_bytes: int | None = None,
+        num_buffers: int | None = None,
+        alignment: int | None = None,
+        timeout_s: float | None = None,
+        verify: bool | None = None,
         backend: str | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        base = settings if settings is not None else SyncSettings()
+        if not isinstance(base, SyncSettings):
+            raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
+        self.settings = base.with_overrides(
+            buffer_bytes=buffer_bytes, num_buffers=num_buffers, alignment=alignment, timeout_s=timeout_s, verify=verify
+        )
+        if backend not in (None, "gloo", "nccl"):
+            raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        self.backend = backend
         self.trainer = trainer
         named = dict(workers) if isinstance(workers, Mapping) else {f"worker-{i}": w for i, w in enumerate(workers)}
         if not named:
-            raise ValueError("WeightSync needs at least one worker")
-        self._workers: dict[str, _Worker] = {}
+            raise SettingsError("WeightSync needs at least one worker")
+        if isinstance(transport, Mapping):
+            unknown = sorted(set(transport) - set(named))
+            if unknown:
+                raise SettingsError(f"transport names unknown worker(s) {unknown}; workers: {sorted(named)}")
         self._transport = transport
+        self._workers: dict[str, _Worker] = {}
         for name, handle in named.items():
             self._add(name, handle)
-        self.buffer_bytes = buffer_bytes
-        self.num_buffers = num_buffers
-        self.alignment = alignment
-        self.timeout_s = timeout_s
-        self.verify_each_sync = verify
-        self.backend = backend
         self.manifest: Manifest | None = None
         self.version: int | None = None
         self._ready = False
-        self._sync_seq = 0
+        self._seq = 0
         self._lock = threading.Lock()
         self._metrics = SyncMetrics()
 
-    # membership ---------------------------------------------------------------------
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self.settings.timeout_s)
+
+    # membership -------------------------------------------------------------------------
     def _add(self, name: str, handle: Any) -> None:
+        _check_name(name)
         if name in self._workers:
-            raise ValueError(f"a worker named {name!r} is already registered")
+            raise SettingsError(f"a worker named {name!r} is already registered")
+        mine = _identity(handle)
+        for other in self._workers.values():
+            if _identity(other.handle) == mine:
+                raise SettingsError(f"workers {other.name!r} and {name!r} are the same actor; pass each worker once")
+        if _identity(self.trainer) == mine:
+            raise SettingsError(f"worker {name!r} is the trainer's own actor")
         t = self._transport
         requested = t.get(name, "auto") if isinstance(t, Mapping) else t
-        if requested not in ("auto", *TRANSPORTS):
-            raise ValueError(f"transport for {name} must be auto, {', '.join(TRANSPORTS)}; got {requested!r}")
+        if requested not in REQUESTS:
+            raise SettingsError(f"transport for {name} must be one of {', '.join(REQUESTS)}; got {requested!r}")
         self._workers[name] = _Worker(name, handle, requested)
 
     def add_worker(self, handle: Any, name: str | None = None) -> str:
-        """Add a worker; the next sync re-forms the groups to include it."""
+        """Add a worker; the next sync sets up again to include it."""
         with self._lock:
             name = name or f"worker-{uuid.uuid4().hex[:6]}"
             self._add(name, handle)
-            self._invalidate()
+            self._ready = False
             return name
 
     def remove_worker(self, name: str) -> None:
-        """Drop a worker; the next sync re-forms the groups without it."""
+        """Drop a worker (its transports are torn down); the next sync sets up without it."""
         with self._lock:
             if name not in self._workers:
                 raise KeyError(f"no worker named {name!r}; known: {sorted(self._workers)}")
+            self._teardown(abort=False)
             del self._workers[name]
-            self._invalidate()
 
     @property
     def workers(self) -> dict[str, Any]:
@@ -197,111 +174,66 @@ class WeightSync:
     def transports(self) -> dict[str, str]:
         return {n: w.transport for n, w in self._workers.items()}
 
-    # timed waits --------------------------------------------------------------------------
-    def _get(self, refs: Any, what: str, error: type[WeightSyncError] = WeightSyncError) -> Any:
-        """``ray.get`` with the timeout, re-raising a remote failure as ``error`` naming ``what``."""
-        try:
-            return ray.get(refs, timeout=self._ray_timeout())
-        except GetTimeoutError as exc:
-            raise error(f"{what} did not answer within {self._ray_timeout():.0f}s (raise timeout_s)") from exc
-        except (RayTaskError, RayActorError) as exc:
-            raise error(f"{what} failed: {_error_text(exc)}") from exc
+    def _handles(self) -> dict[str, Any]:
+        return {"trainer": self.trainer, **self.workers}
 
-    def _ray_timeout(self) -> float:
-        # Actor-side waits end at timeout_s; this margin lets their own error come back.
-        return self.timeout_s * 1.5 + 10.0
+    def _gather(self, calls: Calls) -> dict[tuple[str, str], Outcome]:
+        return gather(calls, self.deadlines.coordinator_s, self._handles())
 
-    def _handle_of(self, party: str) -> Any:
-        if party == "trainer":
-            return self.trainer
-        w = self._workers.get(party)
-        return w.handle if w is not None else None
-
-    def _died_itself(self, party: str, exc: RayActorError) -> bool:
-        """True when ``exc`` is ``party``'s own death, not that of an actor it depended on."""
-        handle = self._handle_of(party.split("/")[0])
-        died = getattr(exc, "actor_id", None)
-        mine = getattr(handle, "_actor_id", None)
-        if died is None or mine is None:
-            return True
-        return str(died) == mine.hex()
-
-    def _gather(self, calls: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-        """Wait for every named call together; returns results, errors and dead parties.
-
-        Names are ``party`` or ``party/phase``; a call that failed because another actor it
-        depended on died is an error, not a death of its own party.
-        """
-        by_ref = {ref: name for name, ref in calls.items()}
-        refs = list(by_ref)
-        deadline = time.monotonic() + timeout
-        results: dict[str, Any] = {}
-        errors: dict[str, str] = {}
-        dead: list[str] = []
-        try:  # the common case, in one call
-            values = ray.get(refs, timeout=timeout)
-            return {by_ref[ref]: value for ref, value in zip(refs, values)}, errors, dead
-        except Exception:  # noqa: BLE001 - a failure or a timeout; told apart per call below
-            pass
-        # Something failed: let the other calls finish (each has its own deadline) so
-        # every party's outcome is known, then sort them.
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-        for ref in ready:
-            name = by_ref[ref]
-            try:
-                results[name] = ray.get(ref, timeout=1.0)
-            except RayActorError as exc:
-                if self._died_itself(name, exc):
-                    errors[name] = f"actor died ({_error_text(exc)})"
-                    dead.append(name)
-                else:
-                    errors[name] = f"stopped: an actor it depended on died ({_error_text(exc)})"
-            except Exception as exc:  # noqa: BLE001 - collected per party, re-raised as SyncError
-                errors[name] = _error_text(exc)
-        for ref in pending:
-            errors[by_ref[ref]] = f"no answer within {timeout:.0f}s"
-        return results, errors, dead
-
-    # setup --------------------------------------------------------------------------------
+    # setup ------------------------------------------------------------------------------
     def setup(self) -> Manifest:
         """Handshake with every worker and open the transports; refuses any mismatch first."""
         with self._lock:
             return self._setup()
 
+    def _step(self, calls: Calls, when: str) -> dict[str, Outcome]:
+        """One setup step: every call's outcome by party; SetupError naming each failure."""
+        outs: dict[str, Outcome] = {}
+        for (party, _), o in self._gather(calls).items():
+            if party not in outs or not o.ok:
+                outs[party] = o
+        if not all(o.ok for o in outs.values()):
+            self._teardown(abort=True, skip={p for p, o in outs.items() if o.status is not Status.OK})
+            culprits = assign_blame(outs)
+            raise SetupError(_message(f"setup failed {when}", outs, culprits), outs, culprits)
+        return outs
+
     def _setup(self) -> Manifest:
-        self._teardown(abort=True)
-        names = list(self._workers)
-        infos = self._get(
-            [self.trainer.ws_describe.remote()] + [self._workers[n].handle.ws_describe.remote() for n in names],
-            "describing the trainer and workers",
-            SetupError,
+        self._ready = False
+        self._step(
+            {(p, "teardown"): h.ws_teardown.remote(True) for p, h in self._handles().items()},
+            "closing the last session",
         )
-        trainer_info: EndpointInfo = infos[0]
-        for name, info in zip(names, infos[1:]):
-            w = self._workers[name]
-            w.info = info
-            w.transport = self._choose(trainer_info, w)
-        manifest = self._get(
-            self.trainer.ws_manifest.remote(self.buffer_bytes, self.num_buffers, self.alignment),
-            "the trainer's manifest",
-            SetupError,
+        outs = self._step(
+            {(p, "describe"): h.ws_describe.remote() for p, h in self._handles().items()}, "describing the parties"
         )
-        _, errors, _ = self._gather(
-            {n: self._workers[n].handle.ws_accept.remote(manifest, n) for n in names}, self._ray_timeout()
+        trainer: EndpointInfo = outs["trainer"].value
+        choices: dict[str, Outcome] = {}
+        for w in self._workers.values():
+            w.info = outs[w.name].value
+            try:
+                w.transport = choose_transport(trainer, w.info, w.requested, w.name)
+            except SettingsError as exc:
+                choices[w.name] = failed(w.name, "choose", exc)
+        if choices:
+            culprits = sorted(choices)
+            raise SetupError(_message("setup refused a transport", choices, culprits), choices, culprits)
+        manifest: Manifest = self._step(
+            {("trainer", "manifest"): self.trainer.ws_manifest.remote(self.settings)}, "building the manifest"
+        )["trainer"].value
+        self._step(
+            {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
+            "in the handshake, before any byte moved",
         )
-        if errors:
-            raise SetupError(
-                "setup refused before any byte moved:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
-            )
-        self._open_broadcast(trainer_info)
+        self._open_broadcast(trainer)
         self._open_ipc()
-        self._open_direct()
+        self._open_direct(self._members("direct"))
         self.manifest = manifest
         self._ready = True
-        self._sync_seq = 0
+        self._seq = 0
         log.info(
             "weightsync: set up %d worker(s) %s, %d tensors, %.1f MB, %d chunk(s) of %d bytes",
-            len(names),
+            len(self._workers),
             self.transports(),
             len(manifest.specs),
             manifest.total_bytes / 1e6,
@@ -309,38 +241,6 @@ class WeightSync:
             manifest.buffer_bytes,
         )
         return manifest
-
-    def _choose(self, trainer: EndpointInfo, w: _Worker) -> str:
-        assert w.info is not None
-        same_node = (
-            trainer.node_id == w.info.node_id
-            if trainer.node_id and w.info.node_id
-            else trainer.hostname == w.info.hostname
-        )
-        same_device = (
-            same_node
-            and trainer.device == w.info.device
-            and (trainer.device == "cpu" or trainer.gpu_uuid == w.info.gpu_uuid)
-        )
-        if w.requested == "auto":
-            if same_device:
-                return "direct" if w.info.sink_allows_direct else "ipc"
-            return "broadcast"
-        if w.requested in ("ipc", "direct") and not same_device:
-            raise SetupError(
-                f"{w.name}: transport {w.requested!r} needs the worker on the trainer's device "
-                f"(trainer: node {trainer.node_id[:8]} {trainer.device} {trainer.gpu_uuid or ''}; "
-                f"{w.name}: node {w.info.node_id[:8]} {w.info.device} {w.info.gpu_uuid or ''}); "
-                "use transport='broadcast' for it"
-            )
-        if w.requested == "direct" and not w.info.sink_allows_direct:
-            raise SetupError(f"{w.name}: its sink transforms tensors on load; use transport='ipc' for it")
-        if w.requested == "broadcast" and same_device and trainer.device == "cuda":
-            raise SetupError(
-                f"{w.name}: shares GPU {trainer.gpu_uuid} with the trainer, and NCCL refuses two "
-                "ranks on one GPU; use transport='ipc' or 'direct' (or 'auto')"
-            )
-        return w.requested
 
     def _members(self, transport: str) -> list[_Worker]:
         return [w for w in self._workers.values() if w.transport == transport]
@@ -351,93 +251,92 @@ class WeightSync:
             return
         world = len(members) + 1
         backend = self.backend or ("nccl" if trainer.device == "cuda" else "gloo")
-        group = f"weightsync-{uuid.uuid4().hex[:8]}"
-        host, port = self._get(
-            self.trainer.ws_open_store.remote(world, self.timeout_s, trainer.node_ip),
+        timeout = self.settings.timeout_s
+        host, port = self._step(
+            {("trainer", "store"): self.trainer.ws_open_store.remote(world, timeout, trainer.node_ip)},
             "opening the rendezvous store",
-            SetupError,
-        )
-        nccl_id = (
-            self._get(self.trainer.ws_nccl_id.remote(), "making the NCCL id", SetupError) if backend == "nccl" else None
-        )
-        calls = {
-            "trainer": self.trainer.ws_join_broadcast.remote(
-                GroupSpec(group, host, port, 0, world, self.timeout_s, backend, nccl_id)
+        )["trainer"].value
+        nccl_id = None
+        if backend == "nccl":
+            nccl_id = self._step({("trainer", "nccl id"): self.trainer.ws_nccl_id.remote()}, "making the NCCL id")[
+                "trainer"
+            ].value
+        group = f"weightsync-{uuid.uuid4().hex[:8]}"
+        names = ("trainer", *(w.name for w in members))
+
+        def spec(rank: int) -> GroupSpec:
+            return GroupSpec(
+                name=group,
+                store_host=host,
+                store_port=port,
+                rank=rank,
+                world_size=world,
+                timeout_s=timeout,
+                backend=backend,
+                nccl_id=nccl_id,
             )
-        }
+
+        calls: Calls = {("trainer", "join"): self.trainer.ws_join_broadcast.remote(spec(0), names)}
         for rank, w in enumerate(members, start=1):
-            w.rank = rank
-            calls[w.name] = w.handle.ws_join_broadcast.remote(
-                GroupSpec(group, host, port, rank, world, self.timeout_s, backend, nccl_id)
-            )
-        _, errors, _ = self._gather(calls, self._ray_timeout())
-        if errors:
-            self._teardown(abort=True)
-            raise SetupError(
-                "forming the broadcast group failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
-            )
+            calls[(w.name, "join")] = w.handle.ws_join_broadcast.remote(spec(rank), names)
+        self._step(calls, "forming the broadcast group")
 
     def _open_ipc(self) -> None:
         members = self._members("ipc")
         if not members:
             return
-        export = self._get(
-            self.trainer.ws_export_ipc.remote([w.name for w in members], self.timeout_s),
+        timeout = self.settings.timeout_s
+        export = self._step(
+            {("trainer", "export"): self.trainer.ws_export_ipc.remote([w.name for w in members], timeout)},
             "exporting IPC slots",
-            SetupError,
+        )["trainer"].value
+        self._step(
+            {(w.name, "attach"): w.handle.ws_attach_ipc.remote(export, i, timeout) for i, w in enumerate(members)},
+            "attaching IPC slots",
         )
-        for index, w in enumerate(members):
-            w.ipc_index = index
-        _, errors, _ = self._gather(
-            {w.name: w.handle.ws_attach_ipc.remote(export, w.ipc_index, self.timeout_s) for w in members},
-            self._ray_timeout(),
-        )
-        if errors:
-            self._teardown(abort=True)
-            raise SetupError(
-                "attaching IPC slots failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
-            )
-        self._get(self.trainer.ws_seal_ipc.remote(), "sealing IPC exports", SetupError)
+        self._step({("trainer", "seal"): self.trainer.ws_seal_ipc.remote()}, "sealing IPC exports")
 
-    def _open_direct(self) -> None:
-        members = self._members("direct")
-        if members:
-            self._export_direct(members, SetupError)
-
-    def _export_direct(self, members: Sequence[_Worker], error: type[WeightSyncError]) -> None:
+    def _open_direct(self, members: Sequence[_Worker]) -> None:
         """Each worker exports its tensors, the trainer maps the exports, the workers seal."""
-        exports, errors, _ = self._gather(
-            {w.name: w.handle.ws_export_direct.remote(self.timeout_s) for w in members}, self._ray_timeout()
+        if not members:
+            return
+        timeout = self.settings.timeout_s
+        exports = self._step(
+            {(w.name, "export"): w.handle.ws_export_direct.remote(timeout) for w in members}, "exporting direct targets"
         )
-        if errors:
-            self._teardown(abort=True)
-            raise error(
-                "exporting direct targets failed:\n  " + "\n  ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
-            )
-        self._get(
-            [self.trainer.ws_map_direct.remote(exports[w.name], self.timeout_s) for w in members],
+        self._step(
+            {
+                ("trainer", f"map {w.name}"): self.trainer.ws_map_direct.remote(exports[w.name].value, timeout)
+                for w in members
+            },
             "mapping direct targets",
-            error,
         )
-        self._get([w.handle.ws_seal_direct.remote() for w in members], "sealing direct exports", error)
+        self._step({(w.name, "seal"): w.handle.ws_seal_direct.remote() for w in members}, "sealing direct exports")
 
-    # sync ---------------------------------------------------------------------------------
+    # sync -------------------------------------------------------------------------------
     def sync(self, version: int, verify: bool | None = None, force: bool = False) -> SyncReport:
         """Move the trainer's current weights to every worker as ``version``.
 
         Concurrent calls on one WeightSync are serialized. ``version`` must be newer than
-        the last synced one unless ``force``.
+        the last fully synced one unless ``force``; after a failed sync the same version
+        may be retried (workers that already took it take it again). ``verify`` (default:
+        the settings') checks the bytes on every worker before it commits.
         """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"version must be an int, got {version!r} ({type(version).__name__})")
+        check = self.settings.verify if verify is None else verify
+        if not isinstance(check, bool):
+            raise SettingsError(f"verify must be True or False, got {verify!r}")
         with self._lock:
             if self.version is not None and version <= self.version and not force:
-                raise WeightSyncError(
+                raise VersionError(
                     f"version {version} is not newer than the last synced version {self.version}; "
                     "pass force=True to sync it anyway"
                 )
             if not self._ready:
                 self._setup()
             try:
-                report = self._sync(version, self.verify_each_sync if verify is None else verify, force)
+                report = self._sync(version, check, force)
             except Exception:
                 self._metrics.failed()
                 raise
@@ -447,32 +346,29 @@ class WeightSync:
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:
-        """Submit the whole sync at once and wait for it once.
-
-        The trainer's ``ws_send`` and every worker's receive start together: colocated
-        workers (direct, ipc) meet the trainer through shared control blocks, broadcast
-        receivers through the collective. A colocated worker commits inside its receive,
-        once it saw the trainer finish its part (every chunk published, or the write
-        done). A broadcast receiver commits in ``ws_commit``, which takes the trainer's and
-        the worker's results as Ray object refs, so Ray starts it once both succeeded and
-        the coordinator makes no round trip in between.
-        """
         assert self.manifest is not None
         start = time.perf_counter()
-        results, send = self._transfer(version, verify, force, self._members("direct"))
-        moved = {n: r.moved for n, r in results.items() if isinstance(r, ReceiveResult) and r.moved}
-        if moved:
+        workers = list(self._workers.values())
+        kinds = tuple(sorted({w.transport for w in workers}))
+        direct = tuple(w.name for w in workers if w.transport == "direct")
+        call = SyncCall(seq=self._seq, version=version, verify=verify, force=force, direct=direct, kinds=kinds)
+        sent, results = self._round(call, workers)
+        stale = [self._workers[n] for n, r in results.items() if r.stale]
+        if stale:
             # Their tensors moved since their export: nothing was written. Export again
-            # and write those workers now; ``ws_send`` skips the rest this time.
-            log.info("weightsync: re-exporting direct targets whose tensors moved: %s", moved)
-            stale = [self._workers[n] for n in moved]
+            # and write those workers now.
+            log.info(
+                "weightsync: re-exporting direct targets whose tensors moved: %s",
+                {w.name: results[w.name].stale for w in stale},
+            )
             try:
-                self._export_direct(stale, SyncError)
-            except WeightSyncError as exc:
-                self._fail({n: str(exc) for n in moved}, [], "re-exporting moved direct targets")
-            again, _ = self._transfer(version, verify, force, stale, only_direct=True)
+                self._open_direct(stale)
+            except SetupError as exc:
+                self._fail(exc.outcomes, f"re-exporting the direct targets of version {version}")
+            retry = replace(call, direct=tuple(w.name for w in stale), kinds=("direct",))
+            _, again = self._round(retry, stale)
             results.update(again)
-        self._sync_seq += 1
+        self._seq += 1
         self.version = version
         seconds = time.perf_counter() - start
         total = self.manifest.total_bytes
@@ -480,121 +376,119 @@ class WeightSync:
         reports = []
         for w in self._workers.values():
             counts[w.transport] = counts.get(w.transport, 0) + 1
-            r: ReceiveResult = results[w.name]
-            reports.append(WorkerReport(w.name, w.transport, r.version, r.state, r.seconds))
-        chunked = any(w.transport != "direct" for w in self._workers.values())
+            r = results[w.name]
+            reports.append(
+                WorkerReport(name=w.name, transport=w.transport, version=r.version, state=r.state, seconds=r.seconds)
+            )
         return SyncReport(
             version=version,
             bytes=total,
-            chunks=len(self.manifest.chunks) if chunked else 0,
+            chunks=len(self.manifest.chunks),
             seconds=seconds,
             gbps=total / seconds / 1e9 if seconds > 0 else 0.0,
             transports=counts,
             workers=reports,
             verified=verify,
-            send_seconds=float(send["seconds"]),
+            send_seconds=sent.seconds,
         )
 
-    def _transfer(
-        self, version: int, verify: bool, force: bool, direct: Sequence[_Worker], only_direct: bool = False
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """One round of calls; returns each worker's final result and the trainer's."""
-        ipc = [] if only_direct else self._members("ipc")
-        bcast = [] if only_direct else self._members("broadcast")
-        seq = self._sync_seq
-        # The trainer first: its own checks and setup (source checks, the copy plan, the
-        # first IPC chunk's packing) then overlap the workers' calls being started.
-        trainer_ref = self.trainer.ws_send.remote(
-            bool(bcast), [w.ipc_index for w in ipc], seq, [w.name for w in direct], verify
-        )
-        calls: dict[tuple[str, str], Any] = {}
-        for w in direct:
-            calls[(w.name, "receive")] = w.handle.ws_receive_direct.remote(version, seq, force)
-        for w in ipc:
-            calls[(w.name, "receive")] = w.handle.ws_receive_ipc.remote(version, seq, verify, force)
-        for w in bcast:
-            calls[(w.name, "receive")] = w.handle.ws_receive_broadcast.remote(version, verify, force)
-        calls[("trainer", "send")] = trainer_ref
-        for w in bcast:
-            args = (version, w.transport, verify, trainer_ref, calls[(w.name, "receive")])
-            calls[(w.name, "commit")] = w.handle.ws_commit.remote(*args)
-        results, errors, dead = self._gather(
-            {f"{n}/{phase}": ref for (n, phase), ref in calls.items()}, self._ray_timeout()
-        )
-        if errors:
-            self._fail(*self._attribute(errors, dead), "during the transfer")
-        final = {w.name: results[f"{w.name}/receive"] for w in [*direct, *ipc]}
-        final.update({w.name: results[f"{w.name}/commit"] for w in bcast})
-        return final, results["trainer/send"]
+    def _round(self, call: SyncCall, workers: Sequence[_Worker]) -> tuple[SendResult, dict[str, ReceiveResult]]:
+        """One call per party, submitted together (the trainer's first: its checks and first
+        chunk overlap the workers' calls being started), awaited once."""
+        trainer_ref = self.trainer.ws_send.remote(call)
+        calls: Calls = {("trainer", "send"): trainer_ref}
+        for w in workers:
+            calls[(w.name, "receive")] = w.handle.ws_receive.remote(call)
+        for w in workers:
+            if w.transport == "broadcast":
+                calls[(w.name, "commit")] = w.handle.ws_commit.remote(call, trainer_ref, calls[(w.name, "receive")])
+        outs = self._gather(calls)
+        final = {"trainer": outs[("trainer", "send")]}
+        for w in workers:
+            received = outs[(w.name, "receive")]
+            final[w.name] = outs[(w.name, "commit")] if w.transport == "broadcast" and received.ok else received
+        if not all(o.ok for o in final.values()):
+            self._fail(final, f"during the transfer of version {call.version}")
+        return final["trainer"].value, {w.name: final[w.name].value for w in workers}
 
-    def _attribute(self, errors: Mapping[str, str], dead: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-        """Per party, the failure it caused. A commit that failed only because the trainer's
-        send or the party's own receive failed is a consequence, and is left out."""
-        causes: dict[str, str] = {}
-        for key, msg in errors.items():
-            party, phase = key.split("/")
-            if phase != "commit":
-                causes.setdefault(party, msg)
-        for key, msg in errors.items():
-            party, phase = key.split("/")
-            if phase == "commit" and "trainer" not in causes and party not in causes:
-                causes[party] = msg
-        if not causes:
-            causes = {key.split("/")[0]: msg for key, msg in errors.items()}
-        workers_dead = sorted({key.split("/")[0] for key in dead} & set(self._workers))
-        return causes, workers_dead
-
-    def _fail(self, errors: Mapping[str, str], dead: Sequence[str], when: str) -> None:
-        """Abort the groups, mark survivors dirty, drop the dead, and raise SyncError."""
+    def _fail(self, outcomes: Mapping[str, Outcome], when: str) -> None:
+        """Blame, settle every worker that answered, drop the dead, tear down, raise SyncError."""
+        culprits = assign_blame(outcomes)
+        dead = sorted(n for n, o in outcomes.items() if o.status is Status.DEAD and n in self._workers)
         for name in dead:
-            self._workers.pop(name, None)
-        # Every live worker still RECEIVING becomes DIRTY (also those whose own call
-        # returned: their data may be incomplete when the trainer failed). A party that
-        # gave no answer is still busy; asking it anything would only wait.
-        busy = {n for n, m in errors.items() if m.startswith("no answer")}
-        marks = {n: w.handle.ws_mark_dirty.remote() for n, w in self._workers.items() if n not in busy}
-        _, mark_errors, _ = self._gather(marks, self._ray_timeout())
-        for name, msg in mark_errors.items():
-            log.warning("weightsync: could not mark %s dirty: %s", name, msg)
+            self._workers.pop(name)
+        busy = {n for n, o in outcomes.items() if o.status is Status.TIMED_OUT}
+        settled = self._gather(
+            {(w.name, "settle"): w.handle.ws_settle.remote() for w in self._workers.values() if w.name not in busy}
+        )
+        held: dict[str, tuple[int | None, str]] = {}
+        for (name, _), o in settled.items():
+            if o.ok:
+                held[name] = o.value
+            else:
+                log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
         self._teardown(abort=True, skip=busy)
-        lines = [f"{name}: {msg}" for name, msg in sorted(errors.items())]
+        lines = _message(f"sync failed {when}", outcomes, culprits)
         if dead:
-            lines.append(f"dropped dead worker(s) {', '.join(dead)}; the next sync re-forms the groups without them")
-        raise SyncError(f"sync failed {when}:\n  " + "\n  ".join(lines), errors, dead)
+            lines += f"\n  dropped dead worker(s) {', '.join(dead)}; the next sync sets up without them"
+        if held:
+            lines += "\n  workers now hold: " + ", ".join(f"{n} v{v} {s}" for n, (v, s) in sorted(held.items()))
+        raise SyncError(lines, outcomes, culprits, dead, held)
 
-    # checks -------------------------------------------------------------------------------
+    # checks -----------------------------------------------------------------------------
     def verify(self) -> str:
-        """Compare a full digest of every worker with the trainer's; returns the digest."""
+        """Compare every worker's per-tensor checksums with the trainer's; returns the digest.
+
+        Module sinks are checked against what they hold now; load_weights sinks against the
+        bytes they were handed at their last sync. :class:`VerificationError` names, per
+        worker, the first tensor that differs.
+        """
         with self._lock:
-            names = list(self._workers)
-            digests = self._get(
-                [self.trainer.ws_digest.remote()] + [self._workers[n].handle.ws_digest.remote() for n in names],
-                "computing digests",
-            )
-            bad = [n for n, d in zip(names, digests[1:]) if d != digests[0]]
-            if bad:
-                raise VerificationError(f"weights differ from the trainer's on: {', '.join(bad)}")
-            return str(digests[0])
+            if self.manifest is None:
+                self._setup()
+            assert self.manifest is not None
+            outs = self._gather({(p, "checksums"): h.ws_checksums.remote() for p, h in self._handles().items()})
+            trainer = outs[("trainer", "checksums")]
+            if not trainer.ok:
+                raise VerificationError(
+                    f"the trainer could not compute its checksums: {trainer.line()}", {"trainer": trainer.message}
+                )
+            expected: list[int] = trainer.value
+            names = self.manifest.names
+            mismatches: dict[str, str] = {}
+            for w in self._workers.values():
+                o = outs[(w.name, "checksums")]
+                if not o.ok:
+                    mismatches[w.name] = f"could not be checked: {o.line()}"
+                elif o.value is None:
+                    mismatches[w.name] = "could not be checked: it has received nothing yet in this session"
+                else:
+                    differs = [names[i] for i, (a, b) in enumerate(zip(o.value, expected)) if a != b]
+                    if differs:
+                        mismatches[w.name] = differs[0]
+            if mismatches:
+                lines = "\n  ".join(
+                    f"{n}: {m}" if m.startswith("could not") else f"{n}: first differing tensor {m}"
+                    for n, m in sorted(mismatches.items())
+                )
+                raise VerificationError(f"weights differ from the trainer's:\n  {lines}", mismatches)
+            return hashlib.sha256(",".join(map(str, expected)).encode()).hexdigest()
 
     def status(self) -> dict[str, tuple[int | None, str]]:
         """Each worker's (version, state)."""
         names = list(self._workers)
-        return dict(zip(names, self._get([self._workers[n].handle.ws_status.remote() for n in names], "worker status")))
+        refs = [self._workers[n].handle.ws_status.remote() for n in names]
+        return dict(zip(names, ray.get(refs, timeout=self.deadlines.coordinator_s)))
 
-    # teardown ------------------------------------------------------------------------------
-    def _invalidate(self) -> None:
+    # teardown ---------------------------------------------------------------------------
+    def _teardown(self, abort: bool = False, skip: set[str] | frozenset[str] = frozenset()) -> None:
+        """Close every transport on every party not in ``skip``; failures are logged (a party
+        that died is dropped only by the sync that saw it die, or named by the next setup)."""
         self._ready = False
-
-    def _teardown(self, abort: bool = False, skip: frozenset[str] | set[str] = frozenset()) -> None:
-        self._ready = False
-        parties = {"trainer": self.trainer, **{n: w.handle for n, w in self._workers.items()}}
-        parties = {n: h for n, h in parties.items() if n not in skip}
-        refs = {n: h.ws_teardown.remote(abort) for n, h in parties.items()}
-        _, errors, dead = self._gather(refs, self._ray_timeout())
-        for name in dead:
-            self._workers.pop(name, None)
-        for name, msg in errors.items():
-            log.warning("weightsync: teardown on %s failed: %s", name, msg)
+        calls = {(p, "teardown"): h.ws_teardown.remote(abort) for p, h in self._handles().items() if p not in skip}
+        for (party, _), o in self._gather(calls).items():
+            if not o.ok:
+                log.warning("weightsync: teardown on %s: %s", party, o.line())
 
     def close(self) -> None:
         """Tear down groups and exports on every live party; the actors stay up."""

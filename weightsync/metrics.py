@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from weightsync.coordinator import SyncReport
+    from weightsync.wire.report import SyncReport
 
 log = logging.getLogger("weightsync")
 
@@ -48,7 +48,8 @@ class SyncMetrics:
         if self._make():
             tags = {"transports": ",".join(sorted(report.transports))}
             self._syncs.inc(1, tags=tags)
-            self._bytes.inc(report.bytes, tags=tags)
+            if report.bytes > 0:  # Ray refuses a zero increment (a model of empty tensors)
+                self._bytes.inc(report.bytes, tags=tags)
             self._seconds.observe(report.seconds, tags=tags)
 
     def failed(self) -> None:

@@ -1,7 +1,8 @@
 """Chunk planning, packing into preallocated buffers, and unpacking out of them.
 
-Both sides compute the same chunk plan from the specs alone (:func:`plan_chunks`), so a
-sync sends nothing but bytes. Every piece starts at an aligned offset, which keeps a dtype
+Both sides compute the same chunk plan from the specs alone
+(:func:`weightsync.wire.manifest.plan_chunks`), so a sync sends nothing but bytes. Every
+piece starts at an aligned offset, which keeps a dtype
 view of any slice legal (an odd-sized fp16 tensor followed by an fp32 one is the classic
 failure of unaligned packing). A tensor larger than the buffer is split across consecutive
 chunks and put back together on the receiving side.
@@ -24,51 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.spec import Chunk, ChunkPiece, ManifestError, TensorSpec, dtype_from_name
-
-
-def align_up(offset: int, alignment: int) -> int:
-    return (offset + alignment - 1) // alignment * alignment
-
-
-def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
-    """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
-
-    Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
-    is left of the current buffer, but fits in an empty one, starts a new chunk rather than
-    being split; only a tensor larger than the whole buffer is split, filling whole buffers
-    in turn. Zero-byte tensors take a zero-length piece so that every tensor is delivered.
-    """
-    chunks: list[Chunk] = []
-    pieces: list[ChunkPiece] = []
-    cursor = 0
-
-    def flush() -> None:
-        nonlocal pieces, cursor
-        used = max((p.buffer_offset + p.nbytes for p in pieces), default=0)
-        chunks.append(Chunk(index=len(chunks), pieces=tuple(pieces), nbytes=used))
-        pieces, cursor = [], 0
-
-    for index, spec in enumerate(specs):
-        size = spec.nbytes
-        if size == 0:
-            pieces.append(ChunkPiece(index, 0, min(align_up(cursor, alignment), buffer_bytes), 0))
-            continue
-        done = 0
-        while done < size:
-            start = align_up(cursor, alignment)
-            space = buffer_bytes - start
-            left = size - done
-            if pieces and (space <= 0 or (left > space and left <= buffer_bytes)):
-                flush()
-                continue
-            take = min(space, left)
-            pieces.append(ChunkPiece(index, done, start, take))
-            cursor = start + take
-            done += take
-    if pieces:
-        flush()
-    return tuple(chunks)
+from weightsync.wire.dtypes import dtype_from_name
+from weightsync.wire.errors import ManifestError
+from weightsync.wire.manifest import Chunk, TensorSpec
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,6 +80,32 @@ def byte_checksum(buffer: torch.Tensor, nbytes: int) -> int:
     if nbytes > words:
         total += int(buffer[words:nbytes].sum(dtype=torch.int64).item())
     return total & 0xFFFFFFFFFFFFFFFF
+
+
+def word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`byte_checksum` of one tensor's bytes as a 0-d int64 tensor on its device
+    (nothing is read back to the host)."""
+    flat = as_bytes(tensor.detach().contiguous())
+    words = flat.numel() // 8 * 8
+    total = flat.new_zeros((), dtype=torch.int64)
+    if words:
+        total = total + flat[:words].view(torch.int64).sum()
+    if flat.numel() > words:
+        total = total + flat[words:].sum(dtype=torch.int64)
+    return total
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`word_sum` of each tensor, read back to the host once for all.
+
+    The per-tensor check of the direct transport and of ``WeightSync.verify``: a 64-bit
+    additive checksum, computed where the tensors live; it catches corrupted bytes, not a
+    reordering of whole 8-byte words.
+    """
+    if not tensors:
+        return []
+    sums = torch.stack([word_sum(t) for t in tensors]).cpu()
+    return [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
 
 
 DestinationFn = Callable[[int], "torch.Tensor | None"]

@@ -16,7 +16,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from weightsync.spec import Manifest, TensorSpec
+from weightsync.packing import tensor_checksums, word_sum
+from weightsync.transport.base import Landing
+from weightsync.wire.errors import ModelChangedError
+from weightsync.wire.manifest import Manifest, TensorSpec
 
 
 def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -47,8 +50,9 @@ class TensorPaths:
     once; :meth:`unchanged` looks each up again. If every link still holds the same object,
     every name still reaches the same tensor object, without walking the module tree or
     building names (which costs more per sync than the copies of a small model).
-    A tensor object can still have been given new storage (``p.data = ...``): callers
-    compare data pointers or shapes for that.
+    The number of entries in every module's tables is recorded too, so a tensor or module
+    added anywhere is noticed. A tensor object can still have been given new storage or a
+    new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
     """
 
     def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
@@ -78,32 +82,37 @@ class TensorPaths:
                 if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
                     follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
         self._links = list(links.values())
+        # How many entries each module's tables hold: a tensor or module added anywhere
+        # (which no recorded link would notice) changes one of these counts.
+        self._census = [
+            (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
+        ]
 
     def unchanged(self) -> bool:
-        return all(table.get(key) is obj for table, key, obj in self._links)
+        return all(len(table) == count for table, count in self._census) and all(
+            table.get(key) is obj for table, key, obj in self._links
+        )
 
 
-class Sink(Protocol):
-    """What a receiver needs from the place tensors go."""
-
-    #: True when the sink keeps references to what it is handed past the call; it then
-    #: gets clones, never views into a buffer that the next chunk overwrites.
-    keeps_references: bool
+class Sink(Landing, Protocol):
+    """What a receiver needs from the place tensors go: a transport's :class:`Landing`, plus
+    what the handshake and ``WeightSync.verify`` ask."""
 
     def local_specs(self) -> Sequence[TensorSpec] | None:
         """What this worker holds, for the handshake; None accepts any manifest."""
 
-    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
-        """Per spec, a contiguous tensor to copy straight into, or None to be handed it."""
+    def checksums(self, manifest: Manifest) -> list[int] | None:
+        """Per spec, the checksum of what this worker holds (or last received), or None when
+        it cannot tell (nothing received yet)."""
 
-    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Take tensors that had no destination."""
 
-    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor] | None:
-        """The tensors the direct transport may write into, or None if it may not."""
-
-    def rebind(self, index: int, tensor: torch.Tensor) -> None:
-        """Point the held tensor for spec ``index`` at ``tensor`` (direct transport)."""
+def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
+    problems = [p for spec, t in zip(manifest.specs, held) if (p := spec.mismatch(t)) is not None]
+    if problems:
+        raise ModelChangedError(
+            "tensors changed since setup and cannot receive the manifest's bytes without a cast or a "
+            f"broadcast (nothing was written): {'; '.join(problems)}; restore them or run setup() again"
+        )
 
 
 class ModuleSink:
@@ -125,7 +134,13 @@ class ModuleSink:
 
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
         self._by_name = self.held()
+        missing = [spec.name for spec in manifest.specs if spec.name not in self._by_name]
+        if missing:
+            raise ModelChangedError(
+                f"tensors of the manifest no longer in the model: {', '.join(missing)}; run setup() again"
+            )
         self._order = [self._by_name[spec.name] for spec in manifest.specs]
+        _check_held(manifest, self._order)
         return [t.data if t.is_contiguous() else None for t in self._order]
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -145,6 +160,13 @@ class ModuleSink:
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         self._order[index].data = tensor
 
+    def checksums(self, manifest: Manifest) -> list[int]:
+        held = self.held()
+        missing = [spec.name for spec in manifest.specs if spec.name not in held]
+        if missing:
+            raise ModelChangedError(f"tensors of the manifest no longer in the model: {', '.join(missing)}")
+        return tensor_checksums([held[spec.name] for spec in manifest.specs])
+
 
 class LoadWeightsSink:
     """Hands each chunk's tensors to ``load_weights(iterable of (name, tensor))``.
@@ -154,6 +176,11 @@ class LoadWeightsSink:
     saves a copy; pass False for a loader that keeps references (for instance one that
     buffers tensors to replay later), and it gets clones instead. ``expected_specs``, when
     given, is checked against the trainer's manifest in the handshake.
+
+    It records a checksum of every tensor it is handed (computed where the tensor lives,
+    read back only when asked), so ``WeightSync.verify`` can compare the bytes this worker
+    received at its last sync with the trainer's; ``record_checksums=False`` skips that
+    read of every byte.
     """
 
     def __init__(
@@ -161,10 +188,13 @@ class LoadWeightsSink:
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
         copies_immediately: bool = True,
         expected_specs: Sequence[TensorSpec] | None = None,
+        record_checksums: bool = True,
     ) -> None:
         self._load_weights = load_weights
         self.keeps_references = not copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
+        self._record = record_checksums
+        self._received: dict[str, torch.Tensor] = {}
 
     def local_specs(self) -> list[TensorSpec] | None:
         return self._expected
@@ -174,7 +204,16 @@ class LoadWeightsSink:
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
+            if self._record:
+                for name, tensor in items:
+                    self._received[name] = word_sum(tensor)
             self._load_weights(iter(items))
+
+    def checksums(self, manifest: Manifest) -> list[int] | None:
+        if not self._record or any(spec.name not in self._received for spec in manifest.specs):
+            return None
+        sums = torch.stack([self._received[spec.name] for spec in manifest.specs]).cpu()
+        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
 
     def direct_tensors(self, manifest: Manifest) -> None:
         return None

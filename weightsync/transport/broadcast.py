@@ -1,31 +1,41 @@
 """Packed, multi-buffer broadcast over any :class:`Communicator` (gloo on CPU, NCCL on GPU).
 
-The producer (rank 0) packs chunk k into buffer ``k % num_buffers`` and starts its
-broadcast asynchronously, so with two or more buffers packing chunk k+1 overlaps sending
-chunk k. The consumer keeps ``num_buffers`` receives posted ahead and unpacks chunk k while
-chunk k+1 arrives. Buffers are allocated once per engine and reused for every sync; each
-in-flight chunk's buffer stays referenced by the engine until its broadcast completed, and
-both sides drain every slot before returning.
+The producer (rank 0, the trainer) packs chunk k into buffer ``k % num_buffers`` and starts
+its broadcast asynchronously, so with two or more buffers packing chunk k+1 overlaps sending
+chunk k. Each receiver keeps ``num_buffers`` receives posted ahead and unpacks chunk k while
+chunk k+1 arrives. Buffers are allocated once per session and reused; an in-flight chunk's
+buffer stays referenced until its broadcast completed, and both sides drain every slot
+before returning.
 
-Call order, per sync, on every rank at once::
+Every sync starts with an agreement, one tiny all-reduce in which each rank says whether it
+can go ahead: a rank that failed before any byte moved (a worker refusing the version, a
+trainer whose model changed) says no there, and every rank stops at once, naming it, with
+the group intact and nobody's weights touched. A failure after that aborts the group, which
+fails every peer's pending operation instead of leaving it to its deadline. Per sync, on
+every rank at once::
 
-    sender.send(sources)                      # rank 0
-    receiver.receive(unpacker, deliver)       # ranks 1..N
+    BroadcastSender.send(sources, call)              # rank 0
+    BroadcastReceiver.receive(sink, call, begin)     # ranks 1..N
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk
-from weightsync.spec import Manifest
+from weightsync.packing import byte_checksum, pack_chunk
+from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
+from weightsync.transport.control import Deadlines
 from weightsync.transport.streams import SlotStreams
+from weightsync.wire.errors import PeerAborted, WeightSyncError
+from weightsync.wire.manifest import Manifest
+from weightsync.wire.messages import SyncCall
 
-Deliver = Callable[[list[tuple[str, torch.Tensor]]], None]
+log = logging.getLogger("weightsync")
 
 
 class Work(Protocol):
@@ -36,7 +46,7 @@ class Work(Protocol):
 
 
 class Communicator(Protocol):
-    """The collective a packed broadcast needs; rank 0 is the trainer."""
+    """The collectives a packed broadcast needs; rank 0 is the trainer."""
 
     rank: int
     world_size: int
@@ -45,20 +55,33 @@ class Communicator(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int) -> Work:
         """Start broadcasting ``tensor`` from ``src`` (on ``stream_pointer`` for CUDA)."""
 
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        """All ranks at once: the ranks that refuse to go ahead (empty: everyone agrees)."""
+
     def abort(self) -> None:
-        """Fail every pending operation so no rank waits forever; the group is unusable after."""
+        """Fail every pending operation on every rank; the group is unusable after."""
 
     def close(self) -> None:
         """Release the group after a clean finish."""
 
 
 class _PackedBroadcast:
-    def __init__(self, comm: Communicator, manifest: Manifest, timeout_s: float) -> None:
+    def __init__(self, comm: Communicator, manifest: Manifest, timeout_s: float, members: Sequence[str]) -> None:
+        if len(members) != comm.world_size:
+            raise WeightSyncError(f"broadcast group of {comm.world_size} ranks given {len(members)} member names")
         self.comm = comm
         self.manifest = manifest
-        self.timeout_s = timeout_s
+        self.deadlines = Deadlines(timeout_s)
+        self.members = tuple(members)
         self.streams = SlotStreams(comm.device, manifest.num_buffers)
         self._buffers: list[torch.Tensor] = []
+        self._in_flight: list[Work] = []
+        self._moving = False  # past this sync's agreement, bytes may be in flight
+        self._broken = False
+
+    @property
+    def me(self) -> str:
+        return self.members[self.comm.rank]
 
     def buffers(self) -> list[torch.Tensor]:
         if not self._buffers:
@@ -68,55 +91,89 @@ class _PackedBroadcast:
             ]
         return self._buffers
 
-    def _timeout_message(self, what: str) -> str:
-        return (
-            f"rank {self.comm.rank}: {what} did not complete within {self.timeout_s:.1f}s; a "
-            "peer in the group is dead, stuck or too slow (raise timeout_s for slow links)"
-        )
+    def _agree(self, deadline: float) -> None:
+        try:
+            refused = self.comm.agree(False, deadline)
+        except BaseException:
+            self._broken = True
+            raise
+        if refused:
+            names = [self.members[r] for r in refused]
+            raise PeerAborted(f"{self.me}: {', '.join(names)} refused the sync before any byte moved", blames=names)
+        self._moving = True
+
+    def abort(self) -> None:
+        """Before this sync's bytes move: refuse in the agreement (the group survives).
+        After: abort the group, which fails every peer's pending operation at once."""
+        if not self._moving and not self._broken:
+            try:
+                self.comm.agree(True, self.deadlines.leader(time.monotonic()))
+                return
+            except Exception as exc:  # noqa: BLE001 - already failing; the group is aborted below
+                log.warning("weightsync: %s could not refuse in the agreement (%s); aborting the group", self.me, exc)
+        self._broken = True
+        self._in_flight.clear()
+        self.comm.abort()
+
+    def close(self, abort: bool = False) -> None:
+        self._in_flight.clear()
+        if abort or self._broken:
+            self._broken = True
+            self.comm.abort()
+        else:
+            self.comm.close()
 
 
-class BroadcastSender(_PackedBroadcast):
-    """Rank 0's side: pack and broadcast every chunk of the Manifest."""
+class BroadcastSender(_PackedBroadcast, SendHalf):
+    """Rank 0's side: agree, then pack and broadcast every chunk of the Manifest."""
 
-    def send(self, sources: Sequence[torch.Tensor], verify: bool = False) -> list[int]:
-        """Broadcast ``sources`` (aligned with ``manifest.specs``); returns per-chunk checksums
-        when ``verify`` is set, else an empty list. Aborts the communicator on any failure."""
-        deadline = time.monotonic() + self.timeout_s
+    kind = "broadcast"
+
+    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+        deadline = self.deadlines.leader(time.monotonic())
+        self._agree(deadline)
         buffers = self.buffers()
         nbuf = self.manifest.num_buffers
         in_flight: list[Work | None] = [None] * nbuf
         caller = self.streams.caller_stream()
         checksums: list[int] = []
-        try:
-            for chunk in self.manifest.chunks:
-                slot = chunk.index % nbuf
-                pending = in_flight[slot]
-                if pending is not None:
-                    pending.wait(deadline)
-                    in_flight[slot] = None
-                with self.streams.use(slot):
-                    self.streams.wait_for(slot, caller)
-                    pack_chunk(chunk, self.manifest.specs, sources, buffers[slot])
-                    if verify:
-                        checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
-                    in_flight[slot] = self.comm.broadcast(
-                        buffers[slot][: chunk.nbytes], 0, self.streams.stream_pointer(slot)
-                    )
-            for work in in_flight:
-                if work is not None:
-                    work.wait(deadline)
-            self.streams.drain(deadline, self._timeout_message("the final broadcast"))
-        except BaseException:
-            self.comm.abort()
-            raise
-        return checksums
+        for chunk in self.manifest.chunks:
+            slot = chunk.index % nbuf
+            pending = in_flight[slot]
+            if pending is not None:
+                pending.wait(deadline)
+                in_flight[slot] = None
+            with self.streams.use(slot), torch.no_grad():
+                self.streams.wait_for(slot, caller)
+                pack_chunk(chunk, self.manifest.specs, sources.tensors, buffers[slot])
+                if call.verify:
+                    checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
+                work = self.comm.broadcast(buffers[slot][: chunk.nbytes], 0, self.streams.stream_pointer(slot))
+                in_flight[slot] = work
+                self._in_flight.append(work)
+        for last in in_flight:
+            if last is not None:
+                last.wait(deadline)
+        self.streams.drain(deadline, self._timeout_message("the final broadcast"))
+        self._in_flight.clear()
+        self._moving = False
+        return checksums, ()
+
+    def _timeout_message(self, what: str) -> str:
+        return f"{self.me}: {what} did not complete in time; a peer in the group is dead, stuck or too slow"
 
 
-class BroadcastReceiver(_PackedBroadcast):
-    """Ranks 1..N: receive every chunk and unpack it into the sink."""
+class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
+    """Ranks 1..N: agree, then receive every chunk and unpack it into the sink."""
 
-    def receive(self, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False) -> list[int]:
-        deadline = time.monotonic() + self.timeout_s
+    kind = "broadcast"
+    knows_sender_finished = False
+
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        deadline = self.deadlines.follower(time.monotonic())
+        unpacker = unpacker_for(self.manifest, sink)
+        self._agree(deadline)
+        begin()
         buffers = self.buffers()
         chunks = self.manifest.chunks
         nbuf = self.manifest.num_buffers
@@ -127,26 +184,26 @@ class BroadcastReceiver(_PackedBroadcast):
             if index < len(chunks):
                 slot = index % nbuf
                 with self.streams.use(slot):
-                    posted[index] = self.comm.broadcast(
+                    work = self.comm.broadcast(
                         buffers[slot][: chunks[index].nbytes], 0, self.streams.stream_pointer(slot)
                     )
+                posted[index] = work
+                self._in_flight.append(work)
 
-        try:
-            for index in range(min(nbuf, len(chunks))):
-                post(index)
-            for chunk in chunks:
-                slot = chunk.index % nbuf
-                posted.pop(chunk.index).wait(deadline)
-                with self.streams.use(slot):
-                    handed = unpacker.unpack(chunk, buffers[slot])
-                    if handed:
-                        deliver(handed)
-                    if verify:
-                        checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
-                post(chunk.index + nbuf)
-            self.streams.drain(deadline, self._timeout_message("unpacking the last chunk"))
-            unpacker.finish()
-        except BaseException:
-            self.comm.abort()
-            raise
-        return checksums
+        for index in range(min(nbuf, len(chunks))):
+            post(index)
+        for chunk in chunks:
+            slot = chunk.index % nbuf
+            posted.pop(chunk.index).wait(deadline)
+            with self.streams.use(slot):
+                handed = unpacker.unpack(chunk, buffers[slot])
+                if handed:
+                    sink.consume(handed)
+                if call.verify:
+                    checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
+            post(chunk.index + nbuf)
+        self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
+        unpacker.finish()
+        self._in_flight.clear()
+        self._moving = False
+        return checksums, ()

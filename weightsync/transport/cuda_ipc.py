@@ -10,16 +10,10 @@ negative and leaks the producer's buffer (vLLM #51258).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from weightsync.spec import WeightSyncError
-
-
-class DeviceMismatch(WeightSyncError, ValueError):
-    """A CUDA IPC handle for a GPU this process cannot see."""
+from weightsync.wire.errors import DeviceMismatch
+from weightsync.wire.messages import CudaIpcHandle
 
 
 def gpu_uuid(device_index: int) -> str:
@@ -33,16 +27,6 @@ def local_index_of(uuid: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class CudaIpcHandle:
-    """A CUDA region as it crosses a process boundary: the GPU's UUID and torch's rebuild args."""
-
-    gpu_uuid: str
-    rebuild_args: tuple[Any, ...]
-    nbytes: int
-    session: str
-
-
 class CudaRegion:
     """A producer-owned device allocation of ``nbytes``, exported once."""
 
@@ -54,21 +38,9 @@ class CudaRegion:
         self.device = device
         self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)[:nbytes]
         _, args = reduce_tensor(self.tensor)
-        self._handle = CudaIpcHandle(gpu_uuid(device.index or 0), tuple(args), nbytes, session)
-
-    @classmethod
-    def adopt(cls, tensor: torch.Tensor, session: str) -> CudaRegion:
-        """Export an existing contiguous uint8 device tensor (the direct transport's region)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        region = cls.__new__(cls)
-        region.nbytes = tensor.numel()
-        region.session = session
-        region.device = tensor.device
-        region.tensor = tensor
-        _, args = reduce_tensor(tensor)
-        region._handle = CudaIpcHandle(gpu_uuid(tensor.device.index or 0), tuple(args), tensor.numel(), session)
-        return region
+        self._handle = CudaIpcHandle(
+            gpu_uuid=gpu_uuid(device.index or 0), rebuild_args=tuple(args), nbytes=nbytes, session=session
+        )
 
     def handle(self) -> CudaIpcHandle:
         return self._handle

@@ -10,17 +10,19 @@ and no second copy: on a GPU one kernel launch over a table of all of them
 Each export carries a small control block, so a sync is one call per side, started
 together, with no Ray round trip between them::
 
-    worker                                   trainer
-    target.announce(seq, tensors)            writer.write(worker, sources, seq)
-      stale storage? -> "stale", return        plans the copies, waits for the announcement
-      else "ready"                             "stale": writes nothing, returns False
-    target.await_written(seq)                  "ready": copies, synchronizes, "written"
-    commit the version
+    worker (DirectTarget.receive)            trainer (DirectWriter.send, per worker)
+      a tensor's dtype or shape left the       plans the copies, waits for the announcement
+        manifest? -> fail, naming it           "stale": writes nothing, names the worker
+      storage moved? -> announce "stale"       "ready": copies, synchronizes, (checksums
+      else announce "ready"                       with verify), "written"
+      wait for "written" (check checksums)
+    the receiver commits the version
 
 A worker whose tensors moved since its export (a new tensor object or data pointer) is
-never written: the caller re-exports it and runs the sync again for that worker. The
-worker must not read its weights between ``announce`` and its commit (an inference engine
-pauses generation, as it does for any in-place weight update).
+never written: the coordinator re-exports it and runs the sync again for that worker. A
+tensor whose dtype or shape changed is never written at all: the sync fails naming it.
+The worker must not read its weights between its announcement and its commit (an
+inference engine pauses generation, as it does for any in-place weight update).
 """
 
 from __future__ import annotations
@@ -31,69 +33,52 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from weightsync.packing import align_up, typed_view
-from weightsync.spec import Manifest, WeightSyncError
-from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
-from weightsync.transport.control import (
-    FIRST_FREE_WORD,
-    create_control,
-    raise_abort,
-    view_control,
-    wait_until,
-)
-from weightsync.transport.cuda_ipc import CudaRegion
-from weightsync.transport.ipc import Region, RegionHandle, RegionImporter
-from weightsync.transport.shm import ShmHandle, ShmRegion
+from weightsync.packing import tensor_checksums, typed_view
+from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources
+from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
+from weightsync.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.transport.regions import Region, RegionImporter, make_region
 from weightsync.transport.streams import SlotStreams
+from weightsync.wire.errors import ChecksumMismatch, ManifestError, WeightSyncError
+from weightsync.wire.manifest import Manifest
+from weightsync.wire.messages import DirectExport, SyncCall
 
 Rebind = Callable[[int, torch.Tensor], None]
 
-# Control words after magic and abort (abort codes: 1 = writer, 2 = target): the target's
-# announcement (seq + 1 when ready, -(seq + 1) when stale), the writer's completion
-# (seq + 1), then each side's pid.
-_ANNOUNCED, _WRITTEN, _TARGET_PID, _WRITER_PID = range(FIRST_FREE_WORD, FIRST_FREE_WORD + 4)
-_WORDS = FIRST_FREE_WORD + 4
+# Control words: the target's announcement (seq + 1 when ready, -(seq + 1) when stale), the
+# writer's completion (seq + 1), each side's pid, then one checksum per tensor (verify).
+_ANNOUNCED, _WRITTEN, _TARGET_PID, _WRITER_PID, _FIRST_CHECKSUM = range(5)
+_CODE = worker_code(0)
 
 
-@dataclass(frozen=True)
-class DirectExport:
-    """A worker's exported destination region, where each tensor lives in it, and the
-    control block the two sides meet on."""
-
-    session: str
-    worker: str
-    region: RegionHandle
-    offsets: tuple[int, ...]
-    control: ShmHandle
-
-
-def layout(manifest: Manifest) -> tuple[tuple[int, ...], int]:
-    """Aligned offsets of every spec in one region, and the region's size."""
-    offsets = []
-    cursor = 0
-    for spec in manifest.specs:
-        cursor = align_up(cursor, manifest.alignment)
-        offsets.append(cursor)
-        cursor += spec.nbytes
-    return tuple(offsets), cursor
+def _mismatches(manifest: Manifest, tensors: Sequence[torch.Tensor], who: str) -> None:
+    if len(tensors) != len(manifest.specs):
+        raise ManifestError(f"{who}: holds {len(tensors)} tensors, the manifest has {len(manifest.specs)}")
+    problems = [p for spec, t in zip(manifest.specs, tensors) if (p := spec.mismatch(t)) is not None]
+    if problems:
+        raise ManifestError(
+            f"{who}: tensors changed since setup and cannot be written without a cast or a broadcast "
+            f"(nothing was written): {'; '.join(problems)}; restore them or run setup() again"
+        )
 
 
-class DirectTarget:
+class DirectTarget(ReceiveHalf):
     """The worker's side: owns the exported region its tensors now live in."""
+
+    kind = "direct"
+    knows_sender_finished = True
 
     def __init__(self, manifest: Manifest, device: torch.device, name: str, timeout_s: float = 60.0) -> None:
         self.manifest = manifest
         self.device = device
         self.name = name
-        self.timeout_s = timeout_s
+        self.deadlines = Deadlines(timeout_s)
         self._region: Region | None = None
-        self._control: ShmRegion | None = None
-        self._control_np: np.ndarray | None = None
+        self._control: ControlBlock | None = None
         self._export: DirectExport | None = None
-        self._layout: list[tuple[int, torch.Size]] = []  # (data pointer, shape) per tensor as exported
+        self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
         self.exports_made = 0
 
     def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
@@ -102,13 +87,9 @@ class DirectTarget:
         Each tensor's current values are copied in and ``rebind(i, view)`` points the
         worker's tensor at its view, so the worker keeps serving the same weights.
         """
-        offsets, total = layout(self.manifest)
-        session = uuid.uuid4().hex[:16]
-        region: Region
-        if self.device.type == "cuda":
-            region = CudaRegion(total, self.device, session)
-        else:
-            region = ShmRegion(total, tag="direct")
+        _mismatches(self.manifest, tensors, self.name)
+        offsets, total = self.manifest.region_layout()
+        region = make_region(total, self.device, tag="direct")
         pointers = []
         with torch.no_grad():
             for index, (spec, tensor, offset) in enumerate(zip(self.manifest.specs, tensors, offsets)):
@@ -120,77 +101,93 @@ class DirectTarget:
             torch.cuda.current_stream(self.device).synchronize()
         self.close()
         self._region = region
-        self._control, self._control_np = create_control(_WORDS, tag="dctl")
-        self._control_np[_TARGET_PID] = os.getpid()
-        self._layout = [(pointer, torch.Size(spec.shape)) for pointer, spec in zip(pointers, self.manifest.specs)]
-        self._export = DirectExport(session, self.name, region.handle(), offsets, self._control.handle())
+        self._control = ControlBlock.create(_FIRST_CHECKSUM + len(self.manifest.specs), tag="dctl")
+        self._control[_TARGET_PID] = os.getpid()
+        self._layout = [
+            (pointer, torch.Size(spec.shape), spec.torch_dtype) for pointer, spec in zip(pointers, self.manifest.specs)
+        ]
+        self._export = DirectExport(
+            session=uuid.uuid4().hex[:16],
+            worker=self.name,
+            region=region.handle(),
+            offsets=offsets,
+            control=self._control.handle(),
+        )
         self.exports_made += 1
         return self._export
 
     def stale(self, tensors: Sequence[torch.Tensor]) -> list[str]:
-        """Names of tensors whose storage moved since the export (never write into those)."""
-        if len(tensors) != len(self._layout):
-            return [spec.name for spec in self.manifest.specs]
-        current = [(t.data_ptr(), t.size()) for t in tensors]
+        """Names of tensors whose storage moved since the export (never write into those).
+
+        Refuses, naming them, tensors whose dtype or shape left the manifest: those are not
+        stale but wrong, and no re-export may paper over them with a cast.
+        """
+        current = [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
         if current == self._layout:
             return []
+        _mismatches(self.manifest, tensors, self.name)
         return [spec.name for spec, now, then in zip(self.manifest.specs, current, self._layout) if now != then]
 
-    def announce(self, seq: int, tensors: Sequence[torch.Tensor]) -> list[str]:
-        """Tell the writer whether sync ``seq`` may write; returns the stale tensors' names
-        (empty: ready). The caller must not read its weights until :meth:`await_written`."""
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        """Announce, wait for the trainer's write, check it (with ``verify``)."""
         control = self._ctl()
-        try:
-            moved = self.stale(tensors)
-        except BaseException:
-            raise_abort(control, 2)
-            raise
-        control[_ANNOUNCED] = -(seq + 1) if moved else seq + 1
-        return moved
+        tensors = sink.direct_tensors(self.manifest)
+        if tensors is None:
+            raise WeightSyncError(f"{self.name}: its sink transforms tensors on load and cannot take direct writes")
+        moved = self.stale(tensors)
+        if moved:
+            control[_ANNOUNCED] = -(call.seq + 1)
+            return [], tuple(moved)
+        begin()
+        control[_ANNOUNCED] = call.seq + 1
+        control.wait(
+            lambda: control[_WRITTEN] == call.seq + 1,
+            self.deadlines.follower(time.monotonic()),
+            self.name,
+            lambda: "the trainer to finish writing",
+            ["trainer", self.name],
+            peer_pid=lambda: control[_WRITER_PID],
+            late=lambda: ["trainer"],
+        )
+        if not call.verify:
+            return [], ()
+        mine = tensor_checksums(tensors)
+        for index, (spec, got) in enumerate(zip(self.manifest.specs, mine)):
+            if got != control[_FIRST_CHECKSUM + index] & 0xFFFFFFFFFFFFFFFF:
+                raise ChecksumMismatch(
+                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from the "
+                    "trainer's: the write went wrong"
+                )
+        return mine, ()
 
-    def await_written(self, seq: int) -> None:
-        """Wait, up to the deadline, for the writer to finish sync ``seq``."""
-        control = self._ctl()
-        try:
-            wait_until(
-                lambda: int(control[_WRITTEN]) == seq + 1,
-                time.monotonic() + self.timeout_s * 1.25 + 1.0,
-                control,
-                self.name,
-                lambda: "the trainer to finish writing",
-                ["trainer", self.name],
-                peer_pid=lambda: int(control[_WRITER_PID]),
-            )
-        except BaseException:
-            raise_abort(control, 2)
-            raise
-
-    def abort(self) -> None:
-        """Tell a waiting writer this side failed (it stops at once and names this worker)."""
-        if self._control_np is not None:
-            raise_abort(self._control_np, 2)
-
-    def _ctl(self) -> np.ndarray:
-        if self._control_np is None:
+    def _ctl(self) -> ControlBlock:
+        if self._control is None:
             raise WeightSyncError(f"{self.name}: no direct export; run setup()")
-        return self._control_np
+        return self._control
 
     def seal(self) -> None:
         """Once the writer mapped the export: unlink shared-memory names (nothing can leak)."""
-        for region in (self._region, self._control):
-            if region is not None:
-                region.unlink()
+        if self._region is not None:
+            self._region.unlink()
+        if self._control is not None:
+            self._control.unlink()
 
     @property
     def current(self) -> DirectExport | None:
         return self._export
 
-    def close(self) -> None:
-        for region in (self._region, self._control):
-            if region is not None:
-                region.close()
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(_CODE)
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        if self._region is not None:
+            self._region.close()
+        if self._control is not None:
+            self._control.close()
         self._region = self._control = None
-        self._control_np = None
         self._export = None
 
 
@@ -198,17 +195,19 @@ class DirectTarget:
 class _Mapped:
     export: DirectExport
     destinations: list[torch.Tensor | None]
-    control: np.ndarray
+    control: ControlBlock
     plan: CopyPlan | None = None  # the batched copies for the sources seen last
 
 
-class DirectWriter:
+class DirectWriter(SendHalf):
     """The trainer's side: maps each worker's region once and writes into it."""
+
+    kind = "direct"
 
     def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
         self.manifest = manifest
         self.device = device
-        self.timeout_s = timeout_s
+        self.deadlines = Deadlines(timeout_s)
         self.name = name
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
@@ -224,7 +223,7 @@ class DirectWriter:
         importer = self.importers.setdefault(export.worker, RegionImporter(f"{self.name}->{export.worker}"))
         importer.release_all()
         region = importer.map(export.region)
-        control = view_control(importer.map(export.control), self.name, export.control.path)
+        control = ControlBlock.attach(importer.map(export.control), self.name, export.control.path)
         control[_WRITER_PID] = os.getpid()
         # Views made once per mapping: a sync is then only the copies.
         destinations = [
@@ -233,55 +232,64 @@ class DirectWriter:
         ]
         self._mapped[export.worker] = _Mapped(export, destinations, control)
 
-    def write(self, worker: str, sources: Sequence[torch.Tensor], seq: int, key: PlanKey | None = None) -> bool:
+    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+        """Write ``call.direct``'s workers in turn; returns (checksums, workers found stale)."""
+        checksums: list[int] = []
+        if call.verify:
+            with torch.no_grad():
+                checksums = tensor_checksums(
+                    [s.to(spec.torch_dtype) for s, spec in zip(sources.tensors, self.manifest.specs)]
+                )
+        stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, checksums))
+        return checksums, stale
+
+    def write(self, worker: str, sources: Sources, seq: int, checksums: Sequence[int] = ()) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker
         announced it is ready; visible to the worker on return. False (nothing written)
-        when the worker announced that its tensors moved since its export.
-
-        ``key`` is ``plan_key(sources)`` when the caller has it (the sender computes it
-        while checking its tensors); the copy plan is rebuilt whenever it differs.
-        """
+        when the worker announced that its tensors moved since its export."""
         mapped = self._mapped.get(worker)
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
         control = mapped.control
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            # Everything that does not depend on the worker runs before its announcement is
-            # checked: the plan, and ordering the copy stream after the caller's work.
-            copier = self._copier
-            plan = mapped.plan
-            if copier is not None:
-                if key is None:
-                    key = plan_key(sources)
-                if plan is None or (plan.key is not key and plan.key != key):
-                    plan = mapped.plan = copier.plan(mapped.destinations, sources, key)
-            self._streams.wait_for(0, self._streams.caller_stream())
-            wait_until(
-                lambda: abs(int(control[_ANNOUNCED])) == seq + 1,
-                deadline,
-                control,
-                self.name,
-                lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
-                [self.name, worker],
-                peer_pid=lambda: int(control[_TARGET_PID]),
-            )
-            if int(control[_ANNOUNCED]) < 0:
-                return False
-            with torch.no_grad():  # sources may be parameters that require grad
-                if copier is not None and plan is not None:
-                    copier.run(plan, mapped.destinations, sources, self._streams.stream(0))
-                else:
-                    with self._streams.use(0):
-                        for destination, source in zip(mapped.destinations, sources):
-                            if destination is not None:
-                                destination.copy_(source)
-            self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
-            control[_WRITTEN] = seq + 1
-        except BaseException:
-            raise_abort(control, 1)
-            raise
+        deadline = self.deadlines.leader(time.monotonic())
+        # Everything that does not depend on the worker runs before its announcement is
+        # checked: the plan, and ordering the copy stream after the caller's work.
+        copier = self._copier
+        plan = mapped.plan
+        tensors = sources.tensors
+        if copier is not None:
+            key = sources.key if sources.key is not None else plan_key(tensors)
+            if plan is None or (plan.key is not key and plan.key != key):
+                plan = mapped.plan = copier.plan(mapped.destinations, tensors, key)  # type: ignore[arg-type]
+        self._streams.wait_for(0, self._streams.caller_stream())
+        control.wait(
+            lambda: abs(control[_ANNOUNCED]) == seq + 1,
+            deadline,
+            self.name,
+            lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
+            [self.name, worker],
+            peer_pid=lambda: control[_TARGET_PID],
+            late=lambda: [worker],
+        )
+        if control[_ANNOUNCED] < 0:
+            return False
+        with torch.no_grad():  # sources may be parameters that require grad
+            if copier is not None and plan is not None:
+                copier.run(plan, mapped.destinations, tensors, self._streams.stream(0))
+            else:
+                with self._streams.use(0):
+                    for destination, source in zip(mapped.destinations, tensors):
+                        if destination is not None:
+                            destination.copy_(source)
+        self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
+        for index, checksum in enumerate(checksums):
+            control[_FIRST_CHECKSUM + index] = _signed(checksum)
+        control[_WRITTEN] = seq + 1
         return True
+
+    def abort(self) -> None:
+        for mapped in self._mapped.values():
+            mapped.control.abort(TRAINER)
 
     def forget(self, worker: str) -> None:
         importer = self.importers.pop(worker, None)
@@ -289,6 +297,12 @@ class DirectWriter:
         if importer is not None:
             importer.release_all()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
         for worker in list(self._mapped):
             self.forget(worker)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -9,17 +9,13 @@ free one) and the coordinator hands its address to the other ranks.
 from __future__ import annotations
 
 import datetime
+import gc
 import time
 
 import torch
 import torch.distributed as dist
 
-from weightsync.spec import WeightSyncError
-from weightsync.transport.streams import TransferTimeout
-
-
-class TransferError(WeightSyncError):
-    """A collective failed because a peer went away."""
+from weightsync.wire.errors import TransferError, TransferTimeout, WeightSyncError
 
 
 def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -46,14 +42,16 @@ class _GlooWork:
         try:
             self._work.wait(datetime.timedelta(seconds=left))
         except RuntimeError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            # A deadline that has passed tells a timeout from a peer that left; the text of
+            # gloo's message is not read.
+            if time.monotonic() >= deadline - 0.01:
                 raise TransferTimeout(
-                    f"rank {self._rank}: gloo broadcast did not complete within "
+                    f"rank {self._rank}: gloo collective did not complete within "
                     f"{self._timeout_s:.1f}s; a peer is dead or stuck (raise timeout_s for "
                     f"slow links): {exc}"
                 ) from exc
             raise TransferError(
-                f"rank {self._rank}: gloo broadcast failed, a peer left the group or crashed: {exc}"
+                f"rank {self._rank}: gloo collective failed, a peer left the group or crashed: {exc}"
             ) from exc
 
 
@@ -97,18 +95,36 @@ class GlooCommunicator:
             dist.PrefixStore(group_name, store), rank, world_size, options
         )
 
-    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> _GlooWork:
+    def _group(self) -> dist.ProcessGroupGloo:
         if self._pg is None:
-            raise RuntimeError(f"rank {self.rank}: the gloo group was closed or aborted")
+            raise WeightSyncError(f"rank {self.rank}: the gloo group was closed or aborted; run setup() again")
+        return self._pg
+
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        flags = torch.zeros(self.world_size, dtype=torch.int64)
+        if refuse:
+            flags[self.rank] = 1
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        _GlooWork(self._group().allreduce([flags], opts), self.rank, self._timeout_s).wait(deadline)  # type: ignore[attr-defined]
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> _GlooWork:
+        self._group()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = datetime.timedelta(seconds=self._timeout_s)
-        return _GlooWork(self._pg.broadcast([tensor], opts), self.rank, self._timeout_s)  # type: ignore[attr-defined]
+        return _GlooWork(self._group().broadcast([tensor], opts), self.rank, self._timeout_s)  # type: ignore[attr-defined]
 
     def abort(self) -> None:
+        """Drop the group: once its last reference (and its works') is gone, its sockets close
+        and every peer's pending operation fails at once ("connection closed by peer")."""
         pg, self._pg = self._pg, None
         if pg is not None:
             pg.abort()
+            del pg
+            gc.collect()
 
     def close(self) -> None:
         pg, self._pg = self._pg, None

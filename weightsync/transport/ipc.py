@@ -1,34 +1,24 @@
-"""Packed transfer through slots the producer exports once and consumers map once.
+"""Packed transfer through slots the trainer exports once and each worker maps once.
 
-For a trainer and workers that share a device (one GPU, or one host on CPU), where a
-collective is impossible (NCCL refuses two ranks on one GPU) or wasteful. The producer
-allocates ``num_buffers`` slots in one exported region, packs chunk k into a slot, and the
-consumer copies out of its mapping of the same memory.
+For a trainer and workers on one device (one GPU, or one host on CPU) whose sink transforms
+tensors on load, where a collective is impossible (NCCL refuses two ranks on one GPU). The
+producer allocates ``num_buffers`` slots in one exported region and packs chunk k into slot
+``k % num_buffers``; each consumer copies out of its mapping of the same memory.
 
-Two ways to drive it:
-
-* per chunk, as in vLLM: ``handle = sender.pack(k, slot, sources)`` on the producer, then
-  ``receiver.consume(handle, ...)`` on each consumer; the caller must not pack into that
-  slot again before every consumer's ``consume`` has returned.
-* per sync (what the coordinator uses): ``sender.send(...)`` and ``receiver.receive(...)``
-  started together, one call per side. The slot hand-off then runs through a small shared
-  control block of counters instead of a round trip per chunk: the producer publishes
-  chunk g after its bytes are visible, each consumer acknowledges g after its copy out
-  finished, and the producer writes slot ``g % num_buffers`` only once every consumer has
-  acknowledged chunk ``g - num_buffers``. So with two slots the producer packs chunk k+1
-  while consumers read chunk k, and a slot is never rewritten while anyone reads it.
-
-On a GPU no side waits on the host for a copy to finish, chunk by chunk: the producer
+Per sync, one call per side (``send`` and ``receive``, started together). Slots are handed
+over on the control block: the producer publishes chunk g after its bytes are visible, each
+consumer acknowledges g after its copy out finished, and the producer writes slot
+``g % num_buffers`` only once every consumer acknowledged chunk ``g - num_buffers``; so with
+two slots the producer packs chunk k+1 while consumers read chunk k, and a slot is never
+rewritten while anyone reads it. On a GPU no side waits on the host per chunk: the producer
 records an interprocess CUDA event after packing a slot and publishes at once; a consumer's
-stream waits on that event, unpacks, records its own event for the slot and acknowledges at
-once; the producer's stream waits on every consumer's event before it packs that slot
-again. The host only moves the counters while the GPU runs pack and unpack back to back,
-and each side synchronizes once, at the end of a sync. An event is always waited on before
-its next record (a slot is packed again only after every consumer acknowledged, which it
-does after queueing its wait), so a wait never sees a later chunk's record.
+stream waits on it, unpacks, records its own event and acknowledges; the producer's stream
+waits on every consumer's event before packing that slot again. Each side synchronizes
+once, at the end of a sync.
 
-Every wait has a deadline; a side that fails raises an abort flag in the control block so
-the others stop at once and name it, and a side whose process ended is noticed by its pid.
+The per-chunk API (``IpcSender.pack`` -> :class:`ChunkHandle` -> ``IpcReceiver.consume``) is
+for callers that hand chunks over themselves, as vLLM's packed IPC helpers do: the caller
+must not pack into a slot again before every consumer's ``consume`` of it returned.
 """
 
 from __future__ import annotations
@@ -36,38 +26,25 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk
-from weightsync.spec import Manifest, WeightSyncError
-from weightsync.transport.broadcast import Deliver
-from weightsync.transport.control import (
-    FIRST_FREE_WORD,
-    PeerAborted,
-    create_control,
-    raise_abort,
-    view_control,
-    wait_until,
-)
-from weightsync.transport.cuda_ipc import CudaIpcHandle, CudaRegion, map_cuda_ipc
-from weightsync.transport.shm import ShmHandle, ShmRegion, map_shm
+from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
+from weightsync.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.transport.regions import Region, RegionImporter, make_region
 from weightsync.transport.streams import SlotStreams, wait_for_stream
+from weightsync.wire.errors import ChecksumMismatch, WeightSyncError
+from weightsync.wire.manifest import Manifest
+from weightsync.wire.messages import ChunkHandle, IpcExport, SyncCall
 
-__all__ = ["ChecksumMismatch", "ChunkHandle", "IpcExport", "IpcReceiver", "IpcSender", "PeerAborted", "RegionImporter"]
-
-RegionHandle = ShmHandle | CudaIpcHandle
-
-# Control block words after magic and abort (abort codes: 1 = producer, 2 + i = consumer
-# i): chunks published, the chunk the producer waits to write (0 when not waiting), the
-# producer's pid; then per consumer its acknowledged-count and its pid; then one checksum
-# per slot.
-_PUBLISHED, _WAITING, _PRODUCER_PID = FIRST_FREE_WORD, FIRST_FREE_WORD + 1, FIRST_FREE_WORD + 2
-_FIRST_CONSUMER = FIRST_FREE_WORD + 3
+# Control words: chunks published, the chunk the producer waits to write (0 when not
+# waiting), the producer's pid; then per consumer its acknowledged count and its pid; then
+# one checksum per slot.
+_PUBLISHED, _WAITING, _PRODUCER_PID = 0, 1, 2
+_FIRST_CONSUMER = 3
 
 
 def _ack_word(consumer: int) -> int:
@@ -82,108 +59,28 @@ def _checksum_word(num_consumers: int, slot: int) -> int:
     return _FIRST_CONSUMER + 2 * num_consumers + slot
 
 
-class Region(Protocol):
-    tensor: torch.Tensor
-
-    def handle(self) -> RegionHandle: ...
-
-    def unlink(self) -> None: ...
-
-    def close(self) -> None: ...
+def _as_word(checksum: int) -> int:
+    return int(np.uint64(checksum).view(np.int64))
 
 
-def make_region(nbytes: int, device: torch.device, tag: str) -> Region:
-    """A region of ``nbytes`` on ``device``: CUDA IPC on a GPU, ``/dev/shm`` on a CPU."""
-    if device.type == "cuda":
-        return CudaRegion(nbytes, device, session=uuid.uuid4().hex[:16])
-    return ShmRegion(nbytes, tag=tag)
+def _from_word(word: int) -> int:
+    return int(np.int64(word).view(np.uint64))
 
 
-def map_region(handle: RegionHandle, who: str) -> torch.Tensor:
-    if isinstance(handle, CudaIpcHandle):
-        return map_cuda_ipc(handle, who)
-    if isinstance(handle, ShmHandle):
-        return map_shm(handle)
-    raise TypeError(f"{who}: not an export handle: {type(handle).__name__}")
-
-
-class RegionImporter:
-    """Maps each export once and releases it once.
-
-    One importer is kept per consumer for the whole session and reused across chunks and
-    syncs; ``maps`` and ``releases`` count what it did, so tests can hold it to one each.
-    """
-
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self._mapped: dict[str, torch.Tensor] = {}
-        self.maps = 0
-        self.releases = 0
-
-    def map(self, handle: RegionHandle) -> torch.Tensor:
-        key = f"{type(handle).__name__}:{handle.session}"
-        tensor = self._mapped.get(key)
-        if tensor is None:
-            tensor = map_region(handle, self.who)
-            self._mapped[key] = tensor
-            self.maps += 1
-        return tensor
-
-    def release_all(self) -> None:
-        for key in list(self._mapped):
-            del self._mapped[key]
-            self.releases += 1
-
-    @property
-    def mapped(self) -> int:
-        return len(self._mapped)
-
-
-@dataclass(frozen=True)
-class IpcExport:
-    """What a consumer needs to attach: the slot region, the control block, the layout."""
-
-    session: str
-    slots: RegionHandle
-    control: ShmHandle
-    num_slots: int
-    slot_bytes: int
-    consumer_names: tuple[str, ...]
-    #: On a GPU: per slot, the interprocess event the producer records after packing it;
-    #: per consumer and slot, the event that consumer records after unpacking it.
-    packed_events: tuple[bytes, ...] = ()
-    freed_events: tuple[tuple[bytes, ...], ...] = ()
-
-    @property
-    def num_consumers(self) -> int:
-        return len(self.consumer_names)
-
-
-@dataclass(frozen=True)
-class ChunkHandle:
-    """Chunk ``chunk_index`` sits in ``slot`` of session ``session``'s region."""
-
-    session: str
-    slot: int
-    chunk_index: int
-    nbytes: int
-    checksum: int | None = None
-
-
-class IpcSender:
+class IpcSender(SendHalf):
     """The producer: exports ``num_buffers`` slots once and packs chunks into them."""
+
+    kind = "ipc"
 
     def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
         self.manifest = manifest
         self.device = device
-        self.timeout_s = timeout_s
+        self.deadlines = Deadlines(timeout_s)
         self.name = name
         self.streams = SlotStreams(device, manifest.num_buffers)
         self._slots: Region | None = None
-        self._control: ShmRegion | None = None
-        self._control_np: np.ndarray | None = None
+        self._control: ControlBlock | None = None
         self._export: IpcExport | None = None
-        self._consumer_names: list[str] = []
         self._packed: list[torch.cuda.Event] = []
         self._freed: list[list[torch.cuda.Event]] = []
 
@@ -193,10 +90,8 @@ class IpcSender:
             raise WeightSyncError(f"{self.name}: IPC slots already exported for this session")
         nbuf, size = self.manifest.num_buffers, self.manifest.buffer_bytes
         self._slots = make_region(nbuf * size, self.device, tag="slots")
-        self._consumer_names = list(consumer_names)
-        self._control, control = create_control(_checksum_word(len(consumer_names), nbuf), tag="ctl")
-        control[_PRODUCER_PID] = os.getpid()
-        self._control_np = control
+        self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
+        self._control[_PRODUCER_PID] = os.getpid()
         packed: tuple[bytes, ...] = ()
         freed: tuple[tuple[bytes, ...], ...] = ()
         if self.streams.is_cuda:
@@ -219,9 +114,10 @@ class IpcSender:
 
     def seal(self) -> None:
         """Call once every consumer attached: unlinks shared-memory names (nothing can leak)."""
-        for region in (self._slots, self._control):
-            if region is not None:
-                region.unlink()
+        if self._slots is not None:
+            self._slots.unlink()
+        if self._control is not None:
+            self._control.unlink()
 
     def slot_buffer(self, slot: int) -> torch.Tensor:
         if self._slots is None or self._export is None:
@@ -247,7 +143,7 @@ class IpcSender:
         buffer = self.slot_buffer(slot)
         chunk = self.manifest.chunks[chunk_index]
         caller = self.streams.caller_stream()
-        with self.streams.use(slot):
+        with self.streams.use(slot), torch.no_grad():
             self.streams.wait_for(slot, caller)
             stream = torch.cuda.current_stream(self.device) if self.streams.is_cuda else None
             if stream is not None:
@@ -260,116 +156,112 @@ class IpcSender:
         return checksum
 
     def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
-        """Pack chunk ``chunk_index`` into ``slot``; the bytes are complete when this returns
-        (the per-chunk API: the caller hands the handle to consumers itself)."""
+        """Pack chunk ``chunk_index`` into ``slot``; its bytes are complete when this returns
+        (the per-chunk API: the caller hands the handle to each consumer itself)."""
         assert self._export is not None
         checksum = self._enqueue_pack(chunk_index, slot, sources, verify)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.deadlines.leader(time.monotonic())
         self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out")
         nbytes = self.manifest.chunks[chunk_index].nbytes
-        return ChunkHandle(self._export.session, slot, chunk_index, nbytes, checksum)
+        return ChunkHandle(
+            session=self._export.session, slot=slot, chunk_index=chunk_index, nbytes=nbytes, checksum=checksum
+        )
 
-    def send(
-        self, sources: Sequence[torch.Tensor], sync_seq: int, consumers: Sequence[int], verify: bool = False
-    ) -> list[int]:
-        """Pack every chunk, handing slots over through the control block (one call per sync).
+    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+        """Pack every chunk, handing slots over on the control block.
 
-        ``sync_seq`` counts the syncs completed in this session (both sides are told the
-        same); ``consumers`` are the indices, among those exported for, that take part.
         Returns after every consumer took every chunk and this side's copies finished.
         """
-        assert self._control_np is not None
-        control = self._control_np
+        control, export = self._ctl()
+        consumers = range(export.num_consumers)
         nbuf = self.manifest.num_buffers
-        base = sync_seq * len(self.manifest.chunks)
-        deadline = time.monotonic() + self.timeout_s
-        names = [self.name, *self._consumer_names]
+        base = call.seq * len(self.manifest.chunks)
+        deadline = self.deadlines.leader(time.monotonic())
         checksums: list[int] = []
-        try:
-            if int(control[_PUBLISHED]) != base:
-                raise WeightSyncError(
-                    f"{self.name}: IPC session out of step (published {int(control[_PUBLISHED])}, "
-                    f"expected {base}); the session must be set up again"
-                )
-            for chunk in self.manifest.chunks:
-                g = base + chunk.index
-                slot = g % nbuf
-                self._await_acks(
-                    consumers, g - nbuf + 1, deadline, names, g + 1, f"release slot {slot} before chunk {chunk.index}"
-                )
-                checksum = self._enqueue_pack(chunk.index, slot, sources, verify, after=consumers if g >= nbuf else ())
-                if checksum is not None:
-                    checksums.append(checksum)
-                    control[_checksum_word(len(self._consumer_names), slot)] = np.int64(
-                        np.uint64(checksum).view(np.int64)
-                    )
-                control[_PUBLISHED] = g + 1
-            final = base + len(self.manifest.chunks)
-            self._await_acks(consumers, final, deadline, names, 0, "finish the last chunk")
-            self.streams.drain(deadline, f"{self.name}: packing timed out")
-        except BaseException:
-            raise_abort(control, 1)  # the first failure is the one to name
-            raise
-        return checksums
+        if control[_PUBLISHED] != base:
+            raise WeightSyncError(
+                f"{self.name}: IPC session out of step (published {control[_PUBLISHED]}, expected {base}); "
+                "run setup() again"
+            )
+        for chunk in self.manifest.chunks:
+            g = base + chunk.index
+            slot = g % nbuf
+            self._await_acks(g - nbuf + 1, deadline, g + 1, f"release slot {slot} before chunk {chunk.index}")
+            after = consumers if g >= nbuf else ()
+            checksum = self._enqueue_pack(chunk.index, slot, sources.tensors, call.verify, after=after)
+            if checksum is not None:
+                checksums.append(checksum)
+                control[_checksum_word(export.num_consumers, slot)] = _as_word(checksum)
+            control[_PUBLISHED] = g + 1
+        self._await_acks(base + len(self.manifest.chunks), deadline, 0, "finish the last chunk")
+        self.streams.drain(deadline, f"{self.name}: packing timed out")
+        return checksums, ()
 
-    def _await_acks(
-        self, consumers: Sequence[int], need: int, deadline: float, names: list[str], waiting: int, what: str
-    ) -> None:
-        assert self._control_np is not None
-        control = self._control_np
+    def _ctl(self) -> tuple[ControlBlock, IpcExport]:
+        if self._control is None or self._export is None:
+            raise WeightSyncError(f"{self.name}: no IPC export is open; run setup()")
+        return self._control, self._export
+
+    def _await_acks(self, need: int, deadline: float, waiting: int, what: str) -> None:
+        control, export = self._ctl()
+
+        def late() -> list[str]:
+            return [n for c, n in enumerate(export.consumer_names) if control[_ack_word(c)] < need]
 
         def done() -> bool:
-            return all(int(control[_ack_word(c)]) >= need for c in consumers)
+            return all(control[_ack_word(c)] >= need for c in range(export.num_consumers))
 
         if need <= 0 or done():
             return
+
+        def lagging_pid() -> int:
+            names = late()
+            return control[_pid_word(export.consumer_names.index(names[0]))] if names else 0
+
         control[_WAITING] = waiting
-        wait_until(
+        control.wait(
             done,
             deadline,
-            control,
             self.name,
-            lambda: f"{self._lagging(consumers, need)} to {what}",
-            names,
-            peer_pid=lambda: self._lagging_pid(consumers, need),
+            lambda: f"{', '.join(late()) or 'workers'} to {what}",
+            [self.name, *export.consumer_names],
+            peer_pid=lagging_pid,
+            late=late,
         )
         control[_WAITING] = 0
 
-    def _late(self, consumers: Sequence[int], need: int) -> list[int]:
-        assert self._control_np is not None
-        return [c for c in consumers if int(self._control_np[_ack_word(c)]) < need]
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(TRAINER)
 
-    def _lagging(self, consumers: Sequence[int], need: int) -> str:
-        return ", ".join(self._consumer_names[c] for c in self._late(consumers, need)) or "workers"
-
-    def _lagging_pid(self, consumers: Sequence[int], need: int) -> int:
-        assert self._control_np is not None
-        late = self._late(consumers, need)
-        return int(self._control_np[_pid_word(late[0])]) if late else 0
-
-    def close(self) -> None:
-        for region in (self._slots, self._control):
-            if region is not None:
-                region.close()
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        if self._slots is not None:
+            self._slots.close()
+        if self._control is not None:
+            self._control.close()
         self._slots = self._control = None
-        self._control_np = None
         self._export = None
         self._packed, self._freed = [], []
 
 
-class IpcReceiver:
+class IpcReceiver(ReceiveHalf):
     """A consumer: maps the producer's export once and copies chunks out of it."""
+
+    kind = "ipc"
+    knows_sender_finished = True
 
     def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "worker") -> None:
         self.manifest = manifest
         self.device = device
-        self.timeout_s = timeout_s
+        self.deadlines = Deadlines(timeout_s)
         self.name = name
         self.importer = RegionImporter(name)
         self._export: IpcExport | None = None
         self._index = -1
         self._slots: torch.Tensor | None = None
-        self._control_np: np.ndarray | None = None
+        self._control: ControlBlock | None = None
         self._packed: list[torch.cuda.Event] = []
         self._freed: list[torch.cuda.Event] = []
 
@@ -385,21 +277,26 @@ class IpcReceiver:
                 f"bytes, the manifest says {self.manifest.num_buffers} of {self.manifest.buffer_bytes}"
             )
         self._slots = self.importer.map(export.slots)
-        control = view_control(self.importer.map(export.control), self.name, export.control.path)
+        control = ControlBlock.attach(self.importer.map(export.control), self.name, export.control.path)
         if self._slots.device.type == "cuda" and export.packed_events:
             self._packed = [torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.packed_events]
             self._freed = [
                 torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.freed_events[consumer_index]
             ]
         control[_pid_word(consumer_index)] = os.getpid()
-        self._control_np = control
+        self._control = control
         self._export = export
         self._index = consumer_index
 
     def progress(self) -> tuple[int, int]:
         """(chunks published, chunk the producer waits to write or 0): for instrumentation."""
-        assert self._control_np is not None
-        return int(self._control_np[_PUBLISHED]), int(self._control_np[_WAITING])
+        control, _ = self._ctl()
+        return control[_PUBLISHED], control[_WAITING]
+
+    def _ctl(self) -> tuple[ControlBlock, IpcExport]:
+        if self._control is None or self._export is None:
+            raise WeightSyncError(f"{self.name}: no IPC export attached; run setup()")
+        return self._control, self._export
 
     def _slot(self, slot: int) -> torch.Tensor:
         assert self._slots is not None
@@ -407,22 +304,23 @@ class IpcReceiver:
         return self._slots[slot * size : (slot + 1) * size]
 
     def consume(
-        self, handle: ChunkHandle, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False
+        self,
+        handle: ChunkHandle,
+        unpacker: ChunkUnpacker,
+        deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
+        verify: bool = False,
     ) -> int | None:
-        """Copy chunk ``handle`` out of its slot into the sink; synchronized on return.
-
-        Refuses, before reading a byte, a handle from another session, a slot or chunk
-        index out of range, or a size that disagrees with the plan.
-        """
-        if self._export is None:
-            raise WeightSyncError(f"{self.name}: attach() must run before consume()")
-        if handle.session != self._export.session:
+        """Copy chunk ``handle`` out of its slot into the sink (the per-chunk API); synchronized
+        on return. Refuses, before reading a byte, a handle from another session, a slot or
+        chunk index out of range, or a size that disagrees with the plan."""
+        _, export = self._ctl()
+        if handle.session != export.session:
             raise WeightSyncError(
                 f"{self.name}: chunk handle belongs to session {handle.session}, attached to "
-                f"{self._export.session}: a handle from a previous session; nothing was read"
+                f"{export.session}: a handle from a previous session; nothing was read"
             )
-        if not 0 <= handle.slot < self._export.num_slots:
-            raise WeightSyncError(f"{self.name}: slot {handle.slot} out of range (0..{self._export.num_slots - 1})")
+        if not 0 <= handle.slot < export.num_slots:
+            raise WeightSyncError(f"{self.name}: slot {handle.slot} out of range (0..{export.num_slots - 1})")
         chunks = self.manifest.chunks
         if not 0 <= handle.chunk_index < len(chunks):
             raise WeightSyncError(
@@ -443,7 +341,7 @@ class IpcReceiver:
         chunk_index: int,
         slot: int,
         unpacker: ChunkUnpacker,
-        deliver: Deliver,
+        deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
         verify: bool,
         expected: int | None,
     ) -> int | None:
@@ -474,73 +372,56 @@ class IpcReceiver:
         if self.device.type == "cuda":
             wait_for_stream(
                 torch.cuda.current_stream(self.device),
-                time.monotonic() + self.timeout_s,
+                self.deadlines.follower(time.monotonic()),
                 f"{self.name}: {what} timed out",
             )
 
-    def receive(self, sync_seq: int, unpacker: ChunkUnpacker, deliver: Deliver, verify: bool = False) -> list[int]:
-        """Take every chunk as the producer publishes it (the per-sync partner of ``send``).
-
-        Returns once every byte landed in the sink (this side's stream synchronized).
-        """
-        if self._export is None or self._control_np is None:
-            raise WeightSyncError(f"{self.name}: attach() must run before receive()")
-        control = self._control_np
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        """Take every chunk as the producer publishes it; returns once every byte landed."""
+        control, export = self._ctl()
         nbuf = self.manifest.num_buffers
-        nchunks = len(self.manifest.chunks)
-        base = sync_seq * nchunks
-        # A consumer gives the producer a margin: the producer sees which consumer is late
-        # and should be the one to time out and name it.
-        deadline = time.monotonic() + self.timeout_s * 1.25 + 1.0
-        names = ["trainer", *self._export.consumer_names]
-        csum_at = _checksum_word(self._export.num_consumers, 0)
+        base = call.seq * len(self.manifest.chunks)
+        deadline = self.deadlines.follower(time.monotonic())
+        names = ["trainer", *export.consumer_names]
+        csum_at = _checksum_word(export.num_consumers, 0)
         me = _ack_word(self._index)
+        if control[me] != base:
+            raise WeightSyncError(
+                f"{self.name}: IPC session out of step (acknowledged {control[me]}, expected {base}); run setup() again"
+            )
+        unpacker = unpacker_for(self.manifest, sink)
         checksums: list[int] = []
-        try:
-            if int(control[me]) != base:
-                raise WeightSyncError(
-                    f"{self.name}: IPC session out of step (acknowledged {int(control[me])}, "
-                    f"expected {base}); the session must be set up again"
-                )
-            for chunk in self.manifest.chunks:
-                g = base + chunk.index
+        for chunk in self.manifest.chunks:
+            g = base + chunk.index
+            control.wait(
+                lambda g=g: control[_PUBLISHED] > g,  # type: ignore[misc]
+                deadline,
+                self.name,
+                lambda k=chunk.index: f"the trainer to publish chunk {k}",  # type: ignore[misc]
+                names,
+                peer_pid=lambda: control[_PRODUCER_PID],
+                late=lambda: ["trainer"],
+            )
+            if chunk.index == 0:
+                begin()
+            expected = _from_word(control[csum_at + g % nbuf]) if call.verify else None
+            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, call.verify, expected)
+            if got is not None:
+                checksums.append(got)
+            control[me] = g + 1
+        unpacker.finish()
+        self._synchronize("copying the last chunks out")
+        return checksums, ()
 
-                def published(g: int = g) -> bool:
-                    return int(control[_PUBLISHED]) > g
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(worker_code(self._index))
 
-                def awaited(k: int = chunk.index) -> str:
-                    return f"the trainer to publish chunk {k}"
-
-                wait_until(
-                    published,
-                    deadline,
-                    control,
-                    self.name,
-                    awaited,
-                    names,
-                    peer_pid=lambda: int(control[_PRODUCER_PID]),
-                )
-                expected = None
-                if verify:
-                    expected = int(np.int64(control[csum_at + g % nbuf]).view(np.uint64))
-                got = self._read(chunk.index, g % nbuf, unpacker, deliver, verify, expected)
-                if got is not None:
-                    checksums.append(got)
-                control[me] = g + 1
-            unpacker.finish()
-            self._synchronize("copying the last chunks out")
-        except BaseException:
-            raise_abort(control, 2 + self._index)
-            raise
-        return checksums
-
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
         self._slots = None
-        self._control_np = None
+        self._control = None
         self._export = None
         self._packed, self._freed = [], []
         self.importer.release_all()
-
-
-class ChecksumMismatch(WeightSyncError):
-    """Bytes a worker received differ from what the trainer packed."""

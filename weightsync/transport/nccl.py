@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from weightsync.spec import WeightSyncError
+from weightsync.transport.streams import wait_for_stream
+from weightsync.wire.errors import WeightSyncError
 
 
 def _nccl() -> Any:
@@ -39,8 +40,9 @@ def nccl_version() -> str | None:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
 
 
-def make_unique_id() -> tuple[int, ...]:
-    return tuple(_nccl().get_unique_id())
+def make_unique_id() -> bytes:
+    """Rank 0's NCCL unique id, as the bytes every rank's communicator is created from."""
+    return bytes(b & 0xFF for b in _nccl().get_unique_id())
 
 
 class _StreamOrdered:
@@ -54,9 +56,7 @@ class _StreamOrdered:
 class NcclCommunicator:
     """One rank of an NCCL group on ``device`` (blocks until every rank has joined)."""
 
-    def __init__(
-        self, unique_id: tuple[int, ...], rank: int, world_size: int, device: torch.device, timeout_s: float
-    ) -> None:
+    def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
         import cupy
 
         nccl = _nccl()
@@ -65,6 +65,8 @@ class NcclCommunicator:
         self.device = device
         self._timeout_s = timeout_s
         self._uint8 = nccl.NCCL_UINT8
+        self._int32 = nccl.NCCL_INT32
+        self._sum = nccl.NCCL_SUM
         with cupy.cuda.Device(device.index or 0):
             self._comm: Any = nccl.NcclCommunicator(world_size, unique_id, rank)
 
@@ -76,6 +78,19 @@ class NcclCommunicator:
         ptr = tensor.data_ptr()
         self._comm.broadcast(ptr, ptr, tensor.numel(), self._uint8, src, stream_pointer)
         return _StreamOrdered()
+
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        if self._comm is None:
+            raise WeightSyncError(f"rank {self.rank}: the NCCL communicator was closed or aborted")
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        if refuse:
+            flags[self.rank] = 1
+        stream = torch.cuda.current_stream(self.device)
+        self._comm.allReduce(
+            flags.data_ptr(), flags.data_ptr(), self.world_size, self._int32, self._sum, int(stream.cuda_stream)
+        )
+        wait_for_stream(stream, deadline, f"rank {self.rank}: the NCCL agreement did not complete in time")
+        return [rank for rank, flag in enumerate(flags.cpu().tolist()) if flag]
 
     def abort(self) -> None:
         comm, self._comm = self._comm, None

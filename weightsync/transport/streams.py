@@ -15,11 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from weightsync.spec import WeightSyncError
-
-
-class TransferTimeout(WeightSyncError, TimeoutError):
-    """A wait inside a transfer ran past its deadline."""
+from weightsync.wire.errors import TransferTimeout
 
 
 @functools.cache

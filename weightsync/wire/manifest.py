@@ -1,94 +1,29 @@
-"""The wire contract: what both sides of a weight sync must agree on before a byte moves.
+"""The wire contract: what both sides of a weight sync agree on before a byte moves.
 
 A :class:`Manifest` is built once, on the trainer, and sent to every worker in the
 handshake. It fixes the tensor order, the wire dtypes, the buffer settings and the chunk
-plan, so that nothing but raw bytes travels at sync time and a worker configured
-differently is refused at setup instead of hanging a collective later.
-
-This module imports no transport and no Ray.
+plan (:func:`plan_chunks`, a pure function of the specs and the settings), so that nothing
+but raw bytes travels at sync time and a worker configured differently is refused at setup
+instead of hanging a collective later.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-PROTOCOL_VERSION = 1
-DEFAULT_ALIGNMENT = 256
-DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
-DEFAULT_NUM_BUFFERS = 2
+from weightsync.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
+from weightsync.wire.errors import ManifestError, SettingsError
+from weightsync.wire.settings import DEFAULT_ALIGNMENT, DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, check_buffer_settings
 
-_DTYPE_CANDIDATES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "complex64",
-    "complex128",
-)
+PROTOCOL_VERSION = 2
 
 
-def _build_allow_list() -> dict[str, torch.dtype]:
-    allowed: dict[str, torch.dtype] = {}
-    for name in _DTYPE_CANDIDATES:
-        candidate = getattr(torch, name, None)
-        if isinstance(candidate, torch.dtype):
-            allowed[name] = candidate
-    return allowed
-
-
-#: Dtypes that may travel, by wire name. Built from this torch's real dtypes only, so a
-#: name received over the wire can never resolve to an arbitrary ``torch`` attribute.
-ALLOWED_DTYPES: Mapping[str, torch.dtype] = _build_allow_list()
-_NAME_OF_DTYPE = {dtype: name for name, dtype in ALLOWED_DTYPES.items()}
-
-
-class WeightSyncError(RuntimeError):
-    """Base class of every error weightsync raises on purpose."""
-
-
-class UnsupportedDtypeError(WeightSyncError, ValueError):
-    """A dtype name or dtype outside :data:`ALLOWED_DTYPES`."""
-
-
-class ManifestError(WeightSyncError, ValueError):
-    """A Manifest that is malformed, or that does not match a model."""
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Resolve a wire dtype name through the allow-list, refusing anything else."""
-    if not isinstance(name, str) or name not in ALLOWED_DTYPES:
-        raise UnsupportedDtypeError(
-            f"dtype {name!r} is not one weightsync can transfer; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
-        )
-    return ALLOWED_DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of ``dtype``; refuses dtypes outside the allow-list."""
-    try:
-        return _NAME_OF_DTYPE[dtype]
-    except KeyError:
-        raise UnsupportedDtypeError(
-            f"dtype {dtype} cannot be transferred; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
-        ) from None
+def align_up(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment
 
 
 @dataclass(frozen=True)
@@ -125,6 +60,14 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
 
+    def mismatch(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` cannot receive this spec's bytes without a cast or a broadcast, or None."""
+        if tuple(tensor.shape) != self.shape:
+            return f"{self.name}: shape {list(tensor.shape)}, the manifest says {list(self.shape)}"
+        if tensor.dtype != self.torch_dtype:
+            return f"{self.name}: dtype {tensor.dtype}, the manifest says {self.dtype}"
+        return None
+
 
 @dataclass(frozen=True)
 class ChunkPiece:
@@ -150,12 +93,52 @@ class Chunk:
     nbytes: int
 
 
+def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
+    """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
+
+    Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
+    is left of the current buffer, but fits in an empty one, starts a new chunk rather than
+    being split; only a tensor larger than the whole buffer is split, filling whole buffers
+    in turn. Zero-byte tensors take a zero-length piece so that every tensor is delivered.
+    """
+    chunks: list[Chunk] = []
+    pieces: list[ChunkPiece] = []
+    cursor = 0
+
+    def flush() -> None:
+        nonlocal pieces, cursor
+        used = max((p.buffer_offset + p.nbytes for p in pieces), default=0)
+        chunks.append(Chunk(index=len(chunks), pieces=tuple(pieces), nbytes=used))
+        pieces, cursor = [], 0
+
+    for index, spec in enumerate(specs):
+        size = spec.nbytes
+        if size == 0:
+            pieces.append(ChunkPiece(index, 0, min(align_up(cursor, alignment), buffer_bytes), 0))
+            continue
+        done = 0
+        while done < size:
+            start = align_up(cursor, alignment)
+            space = buffer_bytes - start
+            left = size - done
+            if pieces and (space <= 0 or (left > space and left <= buffer_bytes)):
+                flush()
+                continue
+            take = min(space, left)
+            pieces.append(ChunkPiece(index, done, start, take))
+            cursor = start + take
+            done += take
+    if pieces:
+        flush()
+    return tuple(chunks)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything both sides derive a transfer from, fixed by the trainer at setup.
 
     Build it with :meth:`build` (which computes the chunk plan); a receiver checks it with
-    :meth:`check_against` and :meth:`validate` before joining any collective.
+    :meth:`validate` and :meth:`check_against` before joining any collective.
     """
 
     specs: tuple[TensorSpec, ...]
@@ -174,8 +157,6 @@ class Manifest:
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         alignment: int = DEFAULT_ALIGNMENT,
     ) -> Manifest:
-        from weightsync.packing import plan_chunks
-
         spec_tuple = tuple(specs)
         check_buffer_settings(buffer_bytes, num_buffers, alignment)
         check_specs(spec_tuple)
@@ -192,6 +173,17 @@ class Manifest:
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
+    def region_layout(self) -> tuple[tuple[int, ...], int]:
+        """Aligned offsets of every spec in one region holding them all, and its size
+        (the direct transport's layout of a worker's exported tensors)."""
+        offsets = []
+        cursor = 0
+        for spec in self.specs:
+            cursor = align_up(cursor, self.alignment)
+            offsets.append(cursor)
+            cursor += spec.nbytes
+        return tuple(offsets), cursor
+
     def validate(self) -> None:
         """Re-derive the chunk plan from the specs and refuse a Manifest that disagrees.
 
@@ -204,9 +196,10 @@ class Manifest:
                 f"protocol version mismatch: the trainer speaks {self.protocol_version}, this "
                 f"worker speaks {PROTOCOL_VERSION}; install the same weightsync version on both"
             )
-        check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment)
-        check_specs(self.specs)
-        rebuilt = Manifest.build(self.specs, self.buffer_bytes, self.num_buffers, self.alignment)
+        try:
+            rebuilt = Manifest.build(self.specs, self.buffer_bytes, self.num_buffers, self.alignment)
+        except SettingsError as exc:
+            raise ManifestError(f"the trainer's manifest carries unusable buffer settings: {exc}") from exc
         if rebuilt.chunks != self.chunks or rebuilt.total_bytes != self.total_bytes:
             raise ManifestError(
                 "the chunk plan sent by the trainer differs from the one this worker derives "
@@ -231,14 +224,12 @@ class Manifest:
         who: str,
         buffer_bytes: int | None = None,
         num_buffers: int | None = None,
-        alignment: int | None = None,
     ) -> None:
         """Refuse the trainer's buffer settings where ``who`` was pinned to other values."""
         problems = []
         for label, mine, theirs in (
             ("buffer_bytes", buffer_bytes, self.buffer_bytes),
             ("num_buffers", num_buffers, self.num_buffers),
-            ("alignment", alignment, self.alignment),
         ):
             if mine is not None and mine != theirs:
                 problems.append(f"{label}: trainer uses {theirs}, {who} was configured with {mine}")
@@ -248,19 +239,6 @@ class Manifest:
                 f"(the trainer's settings are the ones used; drop the override on {who} or "
                 "make them equal): " + "; ".join(problems)
             )
-
-
-def check_buffer_settings(buffer_bytes: int, num_buffers: int, alignment: int) -> None:
-    if not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
-        raise ManifestError(
-            f"alignment must be a power of two of at least 16 bytes (the widest dtype), got {alignment!r}"
-        )
-    if not isinstance(buffer_bytes, int) or buffer_bytes < alignment:
-        raise ManifestError(
-            f"buffer_bytes must be an integer of at least the alignment ({alignment}), got {buffer_bytes!r}"
-        )
-    if not isinstance(num_buffers, int) or num_buffers < 1:
-        raise ManifestError(f"num_buffers must be a positive integer, got {num_buffers!r}")
 
 
 def check_specs(specs: Sequence[TensorSpec]) -> None:

@@ -1,0 +1,198 @@
+"""Every message that crosses a process boundary besides the Manifest and the outcomes.
+
+Setup messages (where an endpoint lives, which group to join, what was exported) and the
+per-sync messages (what a party is asked to do, what it did). Each validates itself on
+construction, so a malformed message is refused where it arrives, by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.wire.errors import WeightSyncError
+
+TRANSPORTS = ("broadcast", "ipc", "direct")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise WeightSyncError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointInfo:
+    """Where an endpoint lives; the coordinator picks transports from this."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    device: str
+    gpu_uuid: str | None
+    sink_allows_direct: bool
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(_is_int(self.pid) and self.pid > 0, f"endpoint pid must be a positive int, got {self.pid!r}")
+        _require(self.device != "cuda" or bool(self.gpu_uuid), "a CUDA endpoint must report its GPU's UUID")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """A broadcast group to join: rendezvous address, this rank, and the timeout."""
+
+    name: str
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+    backend: str
+    nccl_id: bytes | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("gloo", "nccl"), f"broadcast backend must be gloo or nccl, got {self.backend!r}")
+        _require(_is_int(self.world_size) and self.world_size >= 2, f"world_size must be >= 2, got {self.world_size}")
+        _require(
+            _is_int(self.rank) and 0 <= self.rank < self.world_size,
+            f"rank {self.rank} out of range for a world of {self.world_size}",
+        )
+        _require(0 < self.store_port < 65536, f"store port {self.store_port} out of range")
+        _require(
+            self.backend != "nccl" or isinstance(self.nccl_id, bytes), "an NCCL group needs the unique id as bytes"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmHandle:
+    """A shared-memory region as it crosses a process boundary."""
+
+    path: str
+    nbytes: int
+    hostname: str
+    session: str
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.nbytes) and self.nbytes >= 0, f"shared-memory handle size {self.nbytes!r} is not a size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaIpcHandle:
+    """A CUDA region as it crosses a process boundary: the GPU's UUID and torch's rebuild args."""
+
+    gpu_uuid: str
+    rebuild_args: tuple[Any, ...]
+    nbytes: int
+    session: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.gpu_uuid), "a CUDA IPC handle must name its GPU's UUID")
+        _require(_is_int(self.nbytes) and self.nbytes >= 0, f"CUDA IPC handle size {self.nbytes!r} is not a size")
+
+
+RegionHandle = ShmHandle | CudaIpcHandle
+
+
+@dataclass(frozen=True, kw_only=True)
+class IpcExport:
+    """What an IPC consumer needs to attach: the slot region, the control block, the layout."""
+
+    session: str
+    slots: RegionHandle
+    control: ShmHandle
+    num_slots: int
+    slot_bytes: int
+    consumer_names: tuple[str, ...]
+    #: On a GPU: per slot, the interprocess event the producer records after packing it;
+    #: per consumer and slot, the event that consumer records after unpacking it.
+    packed_events: tuple[bytes, ...] = ()
+    freed_events: tuple[tuple[bytes, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.num_slots >= 1 and self.slot_bytes >= 1, "an IPC export needs at least one non-empty slot")
+        _require(bool(self.consumer_names), "an IPC export needs at least one consumer")
+        _require(
+            self.slots.nbytes == self.num_slots * self.slot_bytes,
+            f"IPC export region holds {self.slots.nbytes} bytes, {self.num_slots} slots of {self.slot_bytes} need "
+            f"{self.num_slots * self.slot_bytes}",
+        )
+
+    @property
+    def num_consumers(self) -> int:
+        return len(self.consumer_names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkHandle:
+    """Chunk ``chunk_index`` sits in ``slot`` of session ``session``'s region (the per-chunk API)."""
+
+    session: str
+    slot: int
+    chunk_index: int
+    nbytes: int
+    checksum: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectExport:
+    """A worker's exported destination region, where each tensor lives in it, and the
+    control block the two sides meet on."""
+
+    session: str
+    worker: str
+    region: RegionHandle
+    offsets: tuple[int, ...]
+    control: ShmHandle
+
+    def __post_init__(self) -> None:
+        _require(all(_is_int(o) and o >= 0 for o in self.offsets), "direct export offsets must be non-negative ints")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCall:
+    """What every party of one sync is told: the same numbers on every side.
+
+    ``seq`` counts the syncs completed in this transport session (colocated parties derive
+    their control-block counters from it); ``version`` is what workers commit.
+    """
+
+    seq: int
+    version: int
+    verify: bool = False
+    force: bool = False
+    #: Direct workers the trainer writes this time (all of them, or those re-exported).
+    direct: tuple[str, ...] = ()
+    #: Transports the trainer drives this time.
+    kinds: tuple[str, ...] = TRANSPORTS
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
+        _require(set(self.kinds) <= set(TRANSPORTS), f"unknown transports {sorted(set(self.kinds) - set(TRANSPORTS))}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendResult:
+    """The trainer's answer to one sync: checksums per transport and the stale direct workers."""
+
+    checksums: dict[str, list[int]] = field(default_factory=dict)
+    stale: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveResult:
+    """A worker's answer to one sync call."""
+
+    worker: str
+    version: int | None
+    state: str
+    checksums: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    #: Direct transport: tensors whose storage moved since the export (nothing written).
+    stale: tuple[str, ...] = ()

@@ -1,0 +1,52 @@
+"""What one sync did, as the coordinator reports it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerReport:
+    name: str
+    transport: str
+    version: int | None
+    state: str
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """What one sync did: bytes, chunks, wall time, and each worker's resulting version.
+
+    ``chunks`` counts the manifest's chunk plan (the same number every transport is set up
+    with; direct writes the same bytes without packing them). ``verified`` is True only
+    when a check of the bytes ran on every worker before it committed.
+    """
+
+    version: int
+    bytes: int
+    chunks: int
+    seconds: float
+    gbps: float
+    transports: dict[str, int]
+    workers: list[WorkerReport] = field(default_factory=list)
+    verified: bool = False
+    #: Seconds the trainer spent inside its send call: the transfer itself. The rest of
+    #: ``seconds`` is Ray hand-offs and bookkeeping.
+    send_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k}={v}" for k, v in sorted(self.transports.items()))
+        return (
+            f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
+            f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
+            f"{self.chunks} chunk(s){', verified' if self.verified else ''}"
+        )
