@@ -36,10 +36,11 @@ import ray
 from weightsync.calls import gather
 from weightsync.choice import REQUESTS, choose_transport
 from weightsync.metrics import SyncMetrics
+from weightsync.opening import open_broadcast, open_direct, open_ipc
 from weightsync.transport.control import Deadlines
 from weightsync.wire.errors import SettingsError, SetupError, SyncError, VerificationError, VersionError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import EndpointInfo, GroupSpec, ReceiveResult, SendResult, SyncCall
+from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
 from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
 from weightsync.wire.report import SyncReport, WorkerReport
 from weightsync.wire.settings import SyncSettings
@@ -177,8 +178,8 @@ class WeightSync:
     def _handles(self) -> dict[str, Any]:
         return {"trainer": self.trainer, **self.workers}
 
-    def _gather(self, calls: Calls) -> dict[tuple[str, str], Outcome]:
-        return gather(calls, self.deadlines.coordinator_s, self._handles())
+    def _gather(self, calls: Calls, timeout_s: float | None = None) -> dict[tuple[str, str], Outcome]:
+        return gather(calls, timeout_s or self.deadlines.coordinator_s, self._handles())
 
     # setup ------------------------------------------------------------------------------
     def setup(self) -> Manifest:
@@ -186,10 +187,10 @@ class WeightSync:
         with self._lock:
             return self._setup()
 
-    def _step(self, calls: Calls, when: str) -> dict[str, Outcome]:
+    def _step(self, calls: Calls, when: str, timeout_s: float | None = None) -> dict[str, Outcome]:
         """One setup step: every call's outcome by party; SetupError naming each failure."""
         outs: dict[str, Outcome] = {}
-        for (party, _), o in self._gather(calls).items():
+        for (party, _), o in self._gather(calls, timeout_s).items():
             if party not in outs or not o.ok:
                 outs[party] = o
         if not all(o.ok for o in outs.values()):
@@ -203,6 +204,7 @@ class WeightSync:
         self._step(
             {(p, "teardown"): h.ws_teardown.remote(True) for p, h in self._handles().items()},
             "closing the last session",
+            self.deadlines.startup_s,
         )
         outs = self._step(
             {(p, "describe"): h.ws_describe.remote() for p, h in self._handles().items()}, "describing the parties"
@@ -225,9 +227,9 @@ class WeightSync:
             {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
             "in the handshake, before any byte moved",
         )
-        self._open_broadcast(trainer)
-        self._open_ipc()
-        self._open_direct(self._members("direct"))
+        open_broadcast(self._step, self.trainer, trainer, self._members("broadcast"), self.settings, self.backend)
+        open_ipc(self._step, self.trainer, self._members("ipc"), self.settings)
+        open_direct(self._step, self.trainer, self._members("direct"), self.settings)
         self.manifest = manifest
         self._ready = True
         self._seq = 0
@@ -242,76 +244,8 @@ class WeightSync:
         )
         return manifest
 
-    def _members(self, transport: str) -> list[_Worker]:
-        return [w for w in self._workers.values() if w.transport == transport]
-
-    def _open_broadcast(self, trainer: EndpointInfo) -> None:
-        members = self._members("broadcast")
-        if not members:
-            return
-        world = len(members) + 1
-        backend = self.backend or ("nccl" if trainer.device == "cuda" else "gloo")
-        timeout = self.settings.timeout_s
-        host, port = self._step(
-            {("trainer", "store"): self.trainer.ws_open_store.remote(world, timeout, trainer.node_ip)},
-            "opening the rendezvous store",
-        )["trainer"].value
-        nccl_id = None
-        if backend == "nccl":
-            nccl_id = self._step({("trainer", "nccl id"): self.trainer.ws_nccl_id.remote()}, "making the NCCL id")[
-                "trainer"
-            ].value
-        group = f"weightsync-{uuid.uuid4().hex[:8]}"
-        names = ("trainer", *(w.name for w in members))
-
-        def spec(rank: int) -> GroupSpec:
-            return GroupSpec(
-                name=group,
-                store_host=host,
-                store_port=port,
-                rank=rank,
-                world_size=world,
-                timeout_s=timeout,
-                backend=backend,
-                nccl_id=nccl_id,
-            )
-
-        calls: Calls = {("trainer", "join"): self.trainer.ws_join_broadcast.remote(spec(0), names)}
-        for rank, w in enumerate(members, start=1):
-            calls[(w.name, "join")] = w.handle.ws_join_broadcast.remote(spec(rank), names)
-        self._step(calls, "forming the broadcast group")
-
-    def _open_ipc(self) -> None:
-        members = self._members("ipc")
-        if not members:
-            return
-        timeout = self.settings.timeout_s
-        export = self._step(
-            {("trainer", "export"): self.trainer.ws_export_ipc.remote([w.name for w in members], timeout)},
-            "exporting IPC slots",
-        )["trainer"].value
-        self._step(
-            {(w.name, "attach"): w.handle.ws_attach_ipc.remote(export, i, timeout) for i, w in enumerate(members)},
-            "attaching IPC slots",
-        )
-        self._step({("trainer", "seal"): self.trainer.ws_seal_ipc.remote()}, "sealing IPC exports")
-
-    def _open_direct(self, members: Sequence[_Worker]) -> None:
-        """Each worker exports its tensors, the trainer maps the exports, the workers seal."""
-        if not members:
-            return
-        timeout = self.settings.timeout_s
-        exports = self._step(
-            {(w.name, "export"): w.handle.ws_export_direct.remote(timeout) for w in members}, "exporting direct targets"
-        )
-        self._step(
-            {
-                ("trainer", f"map {w.name}"): self.trainer.ws_map_direct.remote(exports[w.name].value, timeout)
-                for w in members
-            },
-            "mapping direct targets",
-        )
-        self._step({(w.name, "seal"): w.handle.ws_seal_direct.remote() for w in members}, "sealing direct exports")
+    def _members(self, transport: str) -> list[tuple[str, Any]]:
+        return [(w.name, w.handle) for w in self._workers.values() if w.transport == transport]
 
     # sync -------------------------------------------------------------------------------
     def sync(self, version: int, verify: bool | None = None, force: bool = False) -> SyncReport:
@@ -362,7 +296,7 @@ class WeightSync:
                 {w.name: results[w.name].stale for w in stale},
             )
             try:
-                self._open_direct(stale)
+                open_direct(self._step, self.trainer, [(w.name, w.handle) for w in stale], self.settings)
             except SetupError as exc:
                 self._fail(exc.outcomes, f"re-exporting the direct targets of version {version}")
             retry = replace(call, direct=tuple(w.name for w in stale), kinds=("direct",))
@@ -414,9 +348,9 @@ class WeightSync:
     def _fail(self, outcomes: Mapping[str, Outcome], when: str) -> None:
         """Blame, settle every worker that answered, drop the dead, tear down, raise SyncError."""
         culprits = assign_blame(outcomes)
-        dead = sorted(n for n, o in outcomes.items() if o.status is Status.DEAD and n in self._workers)
+        dead = sorted(n for n, o in outcomes.items() if o.status is Status.DEAD)
         for name in dead:
-            self._workers.pop(name)
+            self._workers.pop(name, None)
         busy = {n for n, o in outcomes.items() if o.status is Status.TIMED_OUT}
         settled = self._gather(
             {(w.name, "settle"): w.handle.ws_settle.remote() for w in self._workers.values() if w.name not in busy}
@@ -429,8 +363,9 @@ class WeightSync:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
         self._teardown(abort=True, skip=busy)
         lines = _message(f"sync failed {when}", outcomes, culprits)
-        if dead:
-            lines += f"\n  dropped dead worker(s) {', '.join(dead)}; the next sync sets up without them"
+        gone = [n for n in dead if n != "trainer"]
+        if gone:
+            lines += f"\n  dropped dead worker(s) {', '.join(gone)}; the next sync sets up without them"
         if held:
             lines += "\n  workers now hold: " + ", ".join(f"{n} v{v} {s}" for n, (v, s) in sorted(held.items()))
         raise SyncError(lines, outcomes, culprits, dead, held)

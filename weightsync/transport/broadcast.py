@@ -76,7 +76,7 @@ class _PackedBroadcast:
         self.streams = SlotStreams(comm.device, manifest.num_buffers)
         self._buffers: list[torch.Tensor] = []
         self._in_flight: list[Work] = []
-        self._moving = False  # past this sync's agreement, bytes may be in flight
+        self._agreed = False  # this sync's agreement took place (bytes may be in flight)
         self._broken = False
 
     @property
@@ -92,6 +92,7 @@ class _PackedBroadcast:
         return self._buffers
 
     def _agree(self, deadline: float) -> None:
+        self._agreed = True
         try:
             refused = self.comm.agree(False, deadline)
         except BaseException:
@@ -100,13 +101,13 @@ class _PackedBroadcast:
         if refused:
             names = [self.members[r] for r in refused]
             raise PeerAborted(f"{self.me}: {', '.join(names)} refused the sync before any byte moved", blames=names)
-        self._moving = True
 
     def abort(self) -> None:
         """Before this sync's bytes move: refuse in the agreement (the group survives).
         After: abort the group, which fails every peer's pending operation at once."""
-        if not self._moving and not self._broken:
+        if not self._agreed and not self._broken:
             try:
+                self._agreed = True
                 self.comm.agree(True, self.deadlines.leader(time.monotonic()))
                 return
             except Exception as exc:  # noqa: BLE001 - already failing; the group is aborted below
@@ -156,7 +157,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
                 last.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
         self._in_flight.clear()
-        self._moving = False
+        self._agreed = False
         return checksums, ()
 
     def _timeout_message(self, what: str) -> str:
@@ -205,5 +206,5 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
         self._in_flight.clear()
-        self._moving = False
+        self._agreed = False
         return checksums, ()

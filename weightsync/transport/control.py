@@ -68,6 +68,12 @@ class Deadlines:
     def coordinator_s(self) -> float:
         return self.timeout_s + self.grace_s
 
+    @property
+    def startup_s(self) -> float:
+        """The first call of a setup also waits for actors still being constructed (a process
+        to start, torch to import, a model to build: a minute on a loaded machine)."""
+        return max(2 * self.timeout_s + self.grace_s, 60.0)
+
 
 class ControlBlock:
     """A few shared int64 words; ``words`` is the numpy view both sides read and write."""

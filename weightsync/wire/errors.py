@@ -117,7 +117,8 @@ class SyncError(_CoordinatorError):
     """A sync failed.
 
     ``outcomes``: every party's outcome; ``culprits``: the parties blamed; ``dead``: workers
-    whose actor died (dropped from the WeightSync, reported here); ``held``: each live
+    and the trainer whose actor died (dead workers are dropped from the WeightSync, reported
+    here); ``held``: each live
     worker's (version, state) after the failure.
     """
 

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.wire.errors import WeightSyncError
-
 
 class Status(str, enum.Enum):
     OK = "ok"
@@ -42,7 +40,7 @@ class Outcome:
         if not isinstance(self.status, Status):
             object.__setattr__(self, "status", Status(self.status))
         if self.status is Status.OK and self.error:
-            raise WeightSyncError(f"{self.party}/{self.phase}: an ok outcome cannot carry error {self.error!r}")
+            raise ValueError(f"{self.party}/{self.phase}: an ok outcome cannot carry error {self.error!r}")
         object.__setattr__(self, "blames", tuple(self.blames))
 
     @property
