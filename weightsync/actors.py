@@ -58,7 +58,8 @@ class GroupSpec:
     world_size: int
     timeout_s: float
     backend: str
-    nccl_id: tuple[int, ...] | None = None
+    #: The NCCL unique id's 128 raw bytes (:func:`weightsync.transport.nccl.make_unique_id`).
+    nccl_id: bytes | None = None
 
 
 @dataclass
@@ -152,7 +153,7 @@ class TrainerMixin:
         self._ws_store = open_store(host, 0, world_size, timeout_s)
         return host, int(self._ws_store.port)
 
-    def ws_nccl_id(self) -> tuple[int, ...]:
+    def ws_nccl_id(self) -> bytes:
         from weightsync.transport.nccl import make_unique_id
 
         return make_unique_id()
