@@ -223,3 +223,55 @@ def shm_ipc_consumer(seeds: list[int], chunks_in: Any, acks: Any) -> None:
 def iter_model(seed: int, device: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in model(seed):
         yield name, tensor.to(device)
+
+
+def cuda_ipc_consumer(seeds: list[int], chunks_in: Any, acks: Any) -> None:
+    """Consumes CUDA packed IPC chunks on its own index of the producer's GPU, one ack per chunk."""
+    try:
+        from weightsync.packed_tensor import PackedBufferImporter, packed_ipc_consumer
+        from weightsync.transport.cuda_ipc import local_index_of
+
+        importer = PackedBufferImporter()
+        for seed in seeds:
+            received: dict[str, torch.Tensor] = {}
+            while True:
+                chunk = chunks_in.get(timeout=120)
+                if chunk is None:
+                    break
+                (uuid,) = chunk.ipc_handle.keys()
+                index = local_index_of(uuid)
+                assert index is not None, f"GPU {uuid} is not visible to the consumer"
+                for name, tensor in packed_ipc_consumer(
+                    chunk.ipc_handle, chunk.names, chunk.shapes, chunk.dtype_names, chunk.tensor_sizes, index, importer
+                ):
+                    assert tensor.is_cuda
+                    received[name] = tensor
+                acks.put(("chunk", importer.mapped, importer.released, None))
+            bad = mismatches(received, sent(seed))
+            del received
+            torch.cuda.synchronize()
+            acks.put(("transfer", bad, (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()), None))
+        importer.close()
+        torch.cuda.synchronize()
+        acks.put(("closed", importer.mapped, importer.released, None))
+    except BaseException:
+        acks.put(("error", None, None, traceback.format_exc()))
+
+
+def nccl_rank_alone(world: int, timeout_s: float, queue: Any) -> None:
+    """Rank 0 of an NCCL world whose other ranks never join; reports how creation ended."""
+    try:
+        from weightsync.transport.nccl import NcclCommunicator, make_unique_id
+        from weightsync.transport.streams import TransferTimeout
+
+        try:
+            NcclCommunicator(make_unique_id(), 0, world, torch.device("cuda", 0), timeout_s)
+            queue.put(("created", "", None))
+        except TransferTimeout as exc:
+            queue.put(("timeout", str(exc), None))
+    except BaseException:
+        queue.put(("error", "", traceback.format_exc()))
+    queue.close()
+    queue.join_thread()  # the report is written before leaving
+    # The abandoned init thread is still inside NCCL: leave without running exit handlers.
+    os._exit(0)
