@@ -47,7 +47,8 @@ ALIGNED: list[tuple[str, tuple[int, ...], torch.dtype]] = [
     ("f", (3, 4), torch.float16),
     ("g", (50,), torch.int32),
 ]
-LAYOUTS = {"awkward": LAYOUT, "aligned": ALIGNED}
+# Odd offsets without 0-d tensors: what vLLM's producer can send and only weightsync's consumer can read.
+LAYOUTS = {"awkward": LAYOUT, "aligned": ALIGNED, "odd": [entry for entry in LAYOUT if entry[1] != ()]}
 BUFFER = 64
 
 

@@ -255,7 +255,7 @@ def test_interoperates_both_ways_with_vllms_own_module(tmp_path: Any) -> None:
     scenarios: list[Scenario] = [
         ("world", 2, 20, "ws", "vllm", "aligned"),
         ("world", 2, 21, "vllm", "ws", "aligned"),
-        ("pair", 1, 22, "vllm", "ws", "awkward"),
+        ("pair", 1, 22, "vllm", "ws", "odd"),
     ]
     results = _run_world(tmp_path, scenarios)
     assert len(results) == 5
