@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import all_dtypes, assert_bit_equal, random_tensor
-from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk, pack_tensors, unpack_tensor
+from weightsync.packed_tensor import pack_tensors, unpack_tensor
+from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk
 from weightsync.wire import Manifest, TensorSpec, dtype_name, plan_chunks
 
 
@@ -158,7 +159,8 @@ def test_pack_tensors_and_unpack_tensor_keep_vllms_call_and_meaning() -> None:
     # "f" starts at byte 30, not a multiple of 4: vLLM's version raised here.
     for (name, tensor), (_, original) in zip(out, items):
         assert_bit_equal(tensor, original, name)
-    second = pack_tensors(it, lambda item: item[1].to(torch.bfloat16), buffer_size_bytes=40)
+    with pytest.warns(UserWarning, match="'g' is 200 bytes"):  # oversize: one chunk, as vLLM sends it
+        second = pack_tensors(it, lambda item: item[1].to(torch.bfloat16), buffer_size_bytes=40)
     assert second is not None and second.names == ["g"] and second.dtypes == [torch.bfloat16]
     assert pack_tensors(it, lambda item: item[1], 40) is None
     with pytest.raises(ValueError, match="tensor 'x': shape \\[2\\] of torch.float32 needs 8 bytes"):

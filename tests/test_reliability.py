@@ -426,7 +426,7 @@ def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftov
     late.accept(sender.current_manifest)
     with pytest.raises(ExportNotFound, match="does not exist: it was closed, or belongs to a previous session"):
         late.attach_ipc(export, 0, 5.0)
-    foreign = ShmHandle("/dev/shm/weightsync-x", 16, "another-host", "s")
+    foreign = ShmHandle(path="/dev/shm/weightsync-x", nbytes=16, hostname="another-host", session="s")
     from weightsync.transport.shm import map_shm
 
     with pytest.raises(ExportNotFound, match="lives on host 'another-host'"):

@@ -11,6 +11,7 @@ from weightsync.wire import (
     ALLOWED_DTYPES,
     Manifest,
     ManifestError,
+    SettingsError,
     TensorSpec,
     UnsupportedDtypeError,
     dtype_from_name,
@@ -82,11 +83,11 @@ def test_manifest_refuses_empty_models_and_duplicate_names() -> None:
 
 
 def test_manifest_refuses_bad_buffer_settings() -> None:
-    with pytest.raises(ManifestError, match="alignment must be a power of two"):
+    with pytest.raises(SettingsError, match="alignment must be a power of two"):
         Manifest.build(specs(), alignment=100)
-    with pytest.raises(ManifestError, match="buffer_bytes must be"):
+    with pytest.raises(SettingsError, match="buffer_bytes must be"):
         Manifest.build(specs(), buffer_bytes=8)
-    with pytest.raises(ManifestError, match="num_buffers must be a positive"):
+    with pytest.raises(SettingsError, match="num_buffers must be a positive"):
         Manifest.build(specs(), num_buffers=0)
 
 

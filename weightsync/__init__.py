@@ -10,14 +10,16 @@ The Python API in one place::
 
 Everything below the actors (the wire contract, packing, transports, endpoints, sinks)
 imports no Ray and runs in one process; ``weightsync.actors`` and ``weightsync.coordinator``
-load Ray on first use of the names that need it.
+load Ray on first use of the names that need it. ``pack_tensors``, ``unpack_tensor`` and
+``PackedChunk`` are those of :mod:`weightsync.packed_tensor`, the drop-in for vLLM's
+packed-tensor helpers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from weightsync.packing import PackedChunk, pack_tensors, unpack_tensor
+from weightsync.packed_tensor import PackedChunk, pack_tensors, unpack_tensor
 from weightsync.receiver import WeightReceiver, WorkerState
 from weightsync.sender import WeightSender
 from weightsync.sinks import LoadWeightsSink, ModuleSink

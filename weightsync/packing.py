@@ -11,21 +11,19 @@ Packing writes each source tensor straight into its slice of a buffer allocated 
 caller (``copy_`` handles any strides and casts to the wire dtype on the way); nothing is
 concatenated and nothing is allocated per chunk.
 
-:func:`pack_tensors` and :func:`unpack_tensor` keep the call signatures of vLLM's
-``packed_tensor`` helpers for code being ported; the engines here do not use them.
+vLLM's back-to-back layout (no alignment, the drop-in :mod:`weightsync.packed_tensor` and its
+``pack_tensors`` / ``unpack_tensor``) goes through :func:`write_bytes_at` and
+:func:`bytes_as`, which keep a typed view legal at any offset.
 
 This module imports no transport and no Ray.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from weightsync.wire.dtypes import dtype_from_name
 from weightsync.wire.errors import ManifestError
 from weightsync.wire.manifest import Chunk, TensorSpec
 
@@ -172,96 +170,38 @@ class ChunkUnpacker:
             raise ManifestError(f"transfer ended with tensors only partly received: {names}")
 
 
-# ---------------------------------------------------------------------------------------
-# Call-compatible helpers for code ported from vLLM's packed_tensor module.
+def _view_is_legal(piece: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a uint8 slice may be viewed as ``dtype`` in place (its start is a multiple of
+    the element size; torch's allocations and mappings start at least 64-byte aligned)."""
+    return (piece.storage_offset() * piece.element_size()) % dtype.itemsize == 0
 
 
-@dataclass
-class PackedChunk:
-    """Tensors packed back to back into one uint8 tensor, with what is needed to unpack."""
+def write_bytes_at(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> int:
+    """Copy ``tensor``'s bytes into the uint8 ``buffer`` at ``offset``; returns how many.
 
-    packed_tensor: torch.Tensor
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[torch.dtype]
-    tensor_sizes: list[int]
-
-
-def pack_tensors(
-    iterator: Iterator[tuple[str, torch.Tensor]],
-    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
-    buffer_size_bytes: int,
-    tensor_list: list[torch.Tensor] | None = None,
-    current_size: int = 0,
-) -> PackedChunk | None:
-    """Take (name, tensor) pairs until more than ``buffer_size_bytes`` are held, and pack them.
-
-    Same call and meaning as vLLM's helper: ``post_iter_func`` maps each pair to the tensor
-    to send; packing stops after the tensor that takes the running total (starting at
-    ``current_size``, counting ``tensor_list``'s bytes first) past ``buffer_size_bytes``,
-    or when the iterator ends; None when nothing was taken. The result is packed back to
-    back, as vLLM does; use :func:`unpack_tensor` (which copes with unaligned slices).
+    Where the slice may be viewed as the tensor's dtype, one ``copy_`` into that view reads
+    any strides directly; at an offset the dtype cannot start at, the bytes of a contiguous
+    copy are copied instead. Either way the bytes written are the tensor's, bit for bit.
     """
-    held = list(tensor_list or [])
-    names: list[str] = []
-    shapes: list[list[int]] = []
-    dtypes: list[torch.dtype] = []
-    sizes: list[int] = []
-    total = current_size
-    for item in iterator:
-        tensor = post_iter_func(item)
-        held.append(tensor)
-        names.append(item[0])
-        shapes.append(list(tensor.shape))
-        dtypes.append(tensor.dtype)
-        sizes.append(tensor.numel() * tensor.element_size())
-        total += sizes[-1]
-        if total > buffer_size_bytes:
-            break
-    if not held:
-        return None
-    device = held[0].device
-    packed = torch.empty(sum(t.numel() * t.element_size() for t in held), dtype=torch.uint8, device=device)
-    offset = 0
-    for tensor in held:
-        n = tensor.numel() * tensor.element_size()
-        if n:
-            packed[offset : offset + n].copy_(as_bytes(tensor.contiguous()))
-        offset += n
-    return PackedChunk(packed, names, shapes, dtypes, sizes)
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return 0
+    dest = buffer[offset : offset + nbytes]
+    if _view_is_legal(dest, tensor.dtype):
+        dest.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    else:
+        dest.copy_(as_bytes(tensor.resolve_conj().resolve_neg().contiguous()))
+    return nbytes
 
 
-def unpack_tensor(
-    packed_tensor: torch.Tensor,
-    names: list[str],
-    shapes: list[list[int]],
-    dtypes: list[torch.dtype],
-    tensor_sizes: list[int],
-) -> list[tuple[str, torch.Tensor]]:
-    """Split a back-to-back packed uint8 tensor into named tensors.
+def bytes_as(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """``buffer[offset:offset + nbytes]`` seen as ``dtype`` and ``shape``.
 
-    Results are views of ``packed_tensor`` where the slice is aligned for its dtype, and
-    copies where it is not (vLLM's version fails there with "storage_offset must be
-    divisible"). Clone the views before the packed storage is reused.
+    A view where the dtype may start at ``offset``, else a copy (a view there fails with
+    "storage_offset must be divisible", vLLM PR 57665). The caller checks that ``nbytes``
+    matches the shape.
     """
-    if not (len(names) == len(shapes) == len(dtypes) == len(tensor_sizes)):
-        raise ValueError(
-            f"names, shapes, dtypes and tensor_sizes must have equal lengths, got "
-            f"{len(names)}, {len(shapes)}, {len(dtypes)}, {len(tensor_sizes)}"
-        )
-    out = []
-    offset = 0
-    for name, shape, dtype, size in zip(names, shapes, dtypes, tensor_sizes):
-        if isinstance(dtype, str):
-            dtype = dtype_from_name(dtype)
-        expected = math.prod(shape) * dtype.itemsize
-        if expected != size:
-            raise ValueError(
-                f"tensor {name!r}: shape {list(shape)} of {dtype} needs {expected} bytes, but tensor_sizes says {size}"
-            )
-        piece = packed_tensor[offset : offset + size]
-        if (piece.storage_offset() * piece.element_size()) % dtype.itemsize:
-            piece = piece.clone()
-        out.append((name, piece.view(dtype).view(shape)))
-        offset += size
-    return out
+    piece = buffer[offset : offset + nbytes]
+    if not _view_is_legal(piece, dtype):
+        piece = piece.clone()
+    return piece.view(dtype).view(tuple(shape))

@@ -1,0 +1,306 @@
+"""weightsync.packed_tensor: vLLM's packed weight-transfer API, bit-exact over real gloo groups."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+
+import weightsync
+from tests.helpers import assert_bit_equal, random_tensor
+from tests.packed_procs import (
+    BUFFER,
+    LAYOUT,
+    Collector,
+    Scenario,
+    expected_chunks,
+    gloo_world,
+    metadata,
+    mismatches,
+    model,
+    post_iter,
+    sent,
+    shm_ipc_consumer,
+)
+from weightsync import packed_tensor as pt
+from weightsync.transport.shm import leftover_segments
+from weightsync.wire import UnsupportedDtypeError
+
+CTX = mp.get_context("spawn")
+
+
+class Recorder:
+    """A group that keeps a copy of every chunk the producer broadcasts (one process)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.aborted = False
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.chunks.append(tensor.clone())
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Replayer:
+    """A group that hands a consumer the chunks a Recorder kept, checking each one's size."""
+
+    def __init__(self, chunks: list[torch.Tensor]) -> None:
+        self.chunks = list(chunks)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        chunk = self.chunks.pop(0)
+        assert tensor.numel() == chunk.numel(), (
+            f"consumer chunk of {tensor.numel()} bytes, producer sent {chunk.numel()}"
+        )
+        tensor.copy_(chunk)
+
+
+def sizes_of(layout: list[tuple[str, torch.Tensor]]) -> list[int]:
+    return [t.numel() * t.element_size() for _, t in layout]
+
+
+def test_the_reference_modules_public_names_are_all_here() -> None:
+    for name in (
+        "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
+        "DEFAULT_PACKED_NUM_BUFFERS",
+        "PackedChunk",
+        "pack_tensors",
+        "unpack_tensor",
+        "packed_nccl_broadcast_producer",
+        "packed_nccl_broadcast_consumer",
+        "PackedIpcChunk",
+        "packed_ipc_producer",
+        "PackedBufferImporter",
+        "packed_ipc_consumer",
+    ):
+        assert hasattr(pt, name), name
+    assert pt.DEFAULT_PACKED_BUFFER_SIZE_BYTES == 1 << 30 and pt.DEFAULT_PACKED_NUM_BUFFERS == 2
+    assert weightsync.pack_tensors is pt.pack_tensors and weightsync.unpack_tensor is pt.unpack_tensor
+    assert weightsync.PackedChunk is pt.PackedChunk
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+def test_broadcast_boundaries_follow_the_running_total_rule_and_round_trip(num_buffers: int) -> None:
+    recorder = Recorder()
+    with pytest.warns(UserWarning) as warned:
+        pt.packed_nccl_broadcast_producer(iter(model(1)), recorder, 0, post_iter, BUFFER, num_buffers)
+    wire = sent(1)
+    oversize = {name for name, t in wire if t.numel() * t.element_size() > BUFFER}
+    assert oversize == {"cast_proj", "big", "ids"}
+    assert all(any(f"'{name}'" in str(w.message) for w in warned) for name in oversize)
+    assert len(warned) == len(oversize)
+    chunks = expected_chunks(sizes_of(wire), BUFFER)
+    assert len(chunks) >= 5
+    assert [c.numel() for c in recorder.chunks] == [sum(sizes_of([wire[i] for i in c])) for c in chunks]
+    collector = Collector()
+    pt.packed_nccl_broadcast_consumer(
+        iter(metadata(1)), Replayer(recorder.chunks), 0, collector, BUFFER, num_buffers, "cpu"
+    )
+    assert collector.chunks == [[wire[i][0] for i in c] for c in chunks]
+    assert mismatches(collector.tensors, wire) == []
+
+
+def test_metadata_is_what_post_iter_func_returned_so_a_cast_round_trips() -> None:
+    items = [("w", random_tensor((4, 3), torch.float32, 7)), ("v", random_tensor((5,), torch.float32, 8))]
+    chunk = pt.pack_tensors(iter(items), lambda item: item[1].to(torch.bfloat16).reshape(-1), 1 << 20)
+    assert chunk is not None
+    assert chunk.dtypes == [torch.bfloat16, torch.bfloat16] and chunk.shapes == [[12], [5]]
+    assert chunk.tensor_sizes == [24, 10] and chunk.packed_tensor.numel() == 34
+    for (name, tensor), (_, original) in zip(
+        pt.unpack_tensor(chunk.packed_tensor, chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes), items
+    ):
+        assert_bit_equal(tensor, original.to(torch.bfloat16).reshape(-1), name)
+
+
+def test_pack_tensors_takes_0d_and_empty_tensors_and_appends_to_tensor_list() -> None:
+    items = [
+        ("s", random_tensor((), torch.float32, 1)),
+        ("e", torch.empty(0, 3)),
+        ("h", random_tensor((3,), torch.float16, 2)),
+    ]
+    held = [random_tensor((6,), torch.uint8, 3)]
+    chunk = pt.pack_tensors(iter(items), lambda item: item[1], 100, tensor_list=held, current_size=6)
+    assert chunk is not None and chunk.names == ["s", "e", "h"] and len(held) == 4
+    assert torch.equal(chunk.packed_tensor[:6], held[0])
+    out = pt.unpack_tensor(chunk.packed_tensor[6:], chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes)
+    for (name, tensor), (_, original) in zip(out, items):
+        assert_bit_equal(tensor, original, name)
+    assert pt.pack_tensors(iter([]), lambda item: item[1], 100) is None
+
+
+def test_unpack_refuses_dtype_names_outside_the_allow_list_and_wrong_sizes_by_tensor() -> None:
+    packed = random_tensor((16,), torch.uint8, 4)
+    assert pt.unpack_tensor(packed, ["x"], [[4]], ["float32"], [16])[0][1].dtype == torch.float32  # type: ignore[list-item]
+    with pytest.raises(UnsupportedDtypeError, match="'Tensor'"):
+        pt.unpack_tensor(packed, ["x"], [[4]], ["Tensor"], [16])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="tensor 'x'"):
+        pt.unpack_tensor(packed, ["x"], [[4]], [torch.float32], [12])
+    with pytest.raises(UnsupportedDtypeError, match="'Tensor'"):
+        pt.packed_nccl_broadcast_consumer(iter([("x", ([4], "Tensor"))]), Replayer([]), 0, print, 64, 1, "cpu")
+
+
+def test_an_empty_iterator_sends_nothing_and_returns() -> None:
+    recorder = Recorder()
+    pt.packed_nccl_broadcast_producer(iter([]), recorder, 0, post_iter, BUFFER, 2)
+    collector = Collector()
+    pt.packed_nccl_broadcast_consumer(iter([]), Replayer([]), 0, collector, BUFFER, 2, "cpu")
+    assert recorder.chunks == [] and collector.chunks == []
+    before = set(leftover_segments())
+    assert list(pt.packed_ipc_producer(iter([]), pt.CPU_HANDLE_KEY, post_iter, BUFFER)) == []
+    assert set(leftover_segments()) == before
+
+
+def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
+    recorder = Recorder()
+
+    def broken(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        if item[0] == "fp8":
+            raise RuntimeError("cast failed for fp8")
+        return post_iter(item)
+
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="fp8"):
+        pt.packed_nccl_broadcast_producer(iter(model(2)), recorder, 0, broken, BUFFER, 2)
+    assert recorder.aborted
+    with pytest.raises(TypeError, match="'a'"):
+        pt.pack_tensors(iter([("a", torch.ones(2))]), lambda item: None, 10)  # type: ignore[arg-type, return-value]
+    with pytest.raises(ValueError, match="num_buffers"):
+        pt.packed_nccl_broadcast_producer(iter(model(2)), recorder, 0, post_iter, BUFFER, 0)
+
+
+def test_ipc_producer_refuses_an_oversize_tensor_naming_the_size_needed() -> None:
+    items = [("small", torch.ones(4)), ("huge", torch.ones(100))]
+    before = set(leftover_segments())
+    with pytest.raises(ValueError, match=r"'huge'.*at least 400"):
+        list(pt.packed_ipc_producer(iter(items), pt.CPU_HANDLE_KEY, lambda item: item[1], 128))
+    assert set(leftover_segments()) == before
+
+
+def test_ipc_on_cpu_in_one_process_maps_once_and_delivers_trailing_empty_tensors() -> None:
+    items = [("a", random_tensor((30,), torch.float32, 1)), ("b", random_tensor((3,), torch.float16, 2))]
+    items += [("z0", torch.empty(0)), ("z1", torch.empty(0, 2, dtype=torch.int64))]
+    importer = pt.PackedBufferImporter()
+    got: dict[str, torch.Tensor] = {}
+    chunks = 0
+    for chunk in pt.packed_ipc_producer(iter(items), pt.CPU_HANDLE_KEY, lambda item: item[1], 120):
+        assert isinstance(chunk, pt.PackedIpcChunk) and sum(chunk.tensor_sizes) <= 120
+        for name, tensor in pt.packed_ipc_consumer(
+            chunk.ipc_handle, chunk.names, chunk.shapes, chunk.dtype_names, chunk.tensor_sizes, -1, importer
+        ):
+            got[name] = tensor
+        chunks += 1
+    assert chunks == 2 and importer.mapped == 1 and importer.released == 0
+    importer.close()
+    assert importer.released == 1
+    assert mismatches(got, items) == []
+    with pytest.raises(UnsupportedDtypeError):
+        pt.PackedIpcChunk(["a"], [[1]], ["Tensor"], [4], {"cpu": None})
+
+
+def _collect(queue: Any, count: int) -> list[Any]:
+    out = []
+    for _ in range(count):
+        item = queue.get(timeout=120)
+        assert item[-1] is None, f"child failed:\n{item[-1]}"
+        out.append(item)
+    return out
+
+
+def _run_world(tmp_path: Any, scenarios: list[Scenario]) -> list[Any]:
+    queue = CTX.Queue()
+    world = 3
+    rdzv = f"file://{tmp_path}/rendezvous"
+    children = [CTX.Process(target=gloo_world, args=(r, world, rdzv, scenarios, queue)) for r in range(world)]
+    for child in children:
+        child.start()
+    try:
+        results = _collect(queue, world)
+    finally:
+        for child in children:
+            child.join(timeout=60)
+    for child in children:
+        assert child.exitcode == 0
+    return [entry for _, rank_results, _ in results for entry in rank_results]
+
+
+def test_every_broadcast_round_trips_over_real_gloo_groups_between_processes(tmp_path: Any) -> None:
+    scenarios: list[Scenario] = [
+        (group, nbuf, seed, "ws", "ws", "awkward")
+        for seed, (group, nbuf) in enumerate(
+            [("world", 1), ("world", 2), ("world", 3), ("pair", 1), ("pair", 2), ("pair", 3), ("weightsync", 2)]
+        )
+    ]
+    results = _run_world(tmp_path, scenarios)
+    expected_receivers = {"world": 2, "pair": 1, "weightsync": 2}
+    for scenario in scenarios:
+        mine = [r for r in results if tuple(r[0]) == scenario]
+        assert len(mine) == expected_receivers[scenario[0]], scenario
+        wire = sent(scenario[2])
+        chunks = [[wire[i][0] for i in c] for c in expected_chunks(sizes_of(wire), BUFFER)]
+        for _, bad, received_chunks in mine:
+            assert bad == [], f"{scenario}: tensors differ or missing: {bad}"
+            assert received_chunks == chunks, scenario
+    assert any(name == "big" for name, _ in sent(0)) and len(LAYOUT) == len(sent(0))
+
+
+def test_interoperates_both_ways_with_vllms_own_module(tmp_path: Any) -> None:
+    try:
+        pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    except pytest.skip.Exception as skip:
+        print(f"vLLM is not importable here, interoperability not tested: {skip}")
+        raise
+    scenarios: list[Scenario] = [
+        ("world", 2, 20, "ws", "vllm", "aligned"),
+        ("world", 2, 21, "vllm", "ws", "aligned"),
+        ("pair", 1, 22, "vllm", "ws", "odd"),
+    ]
+    results = _run_world(tmp_path, scenarios)
+    assert len(results) == 5
+    for scenario, bad, _ in results:
+        assert bad == [], f"{scenario}: tensors differ or missing: {bad}"
+
+
+def test_vllms_pack_and_unpack_read_ours_and_ours_read_theirs() -> None:
+    vpt = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    items = model(5, "aligned")
+    theirs = vpt.pack_tensors(iter(items), lambda item: item[1], 100)
+    ours = pt.pack_tensors(iter(items), lambda item: item[1], 100)
+    assert theirs.names == ours.names and torch.equal(theirs.packed_tensor, ours.packed_tensor)
+    for unpacked in (
+        vpt.unpack_tensor(ours.packed_tensor, ours.names, ours.shapes, ours.dtypes, ours.tensor_sizes),
+        pt.unpack_tensor(theirs.packed_tensor, theirs.names, theirs.shapes, theirs.dtypes, theirs.tensor_sizes),
+    ):
+        for (name, tensor), (_, original) in zip(unpacked, items):
+            assert_bit_equal(tensor, original, name)
+
+
+def test_shared_memory_ipc_between_processes_reuses_one_buffer_per_transfer() -> None:
+    seeds = [31, 32, 33]
+    chunks_out = CTX.Queue()
+    acks = CTX.Queue()
+    before = set(leftover_segments())
+    child = CTX.Process(target=shm_ipc_consumer, args=(seeds, chunks_out, acks))
+    child.start()
+    try:
+        for number, seed in enumerate(seeds, start=1):
+            count = 0
+            for chunk in pt.packed_ipc_producer(iter(model(seed)), pt.CPU_HANDLE_KEY, post_iter, 1700):
+                chunks_out.put(chunk)
+                kind, mapped, released, error = acks.get(timeout=60)  # chunk k read before k+1 is packed
+                assert error is None, error
+                assert (kind, mapped, released) == ("chunk", number, number - 1)
+                count += 1
+            assert count >= 3
+            chunks_out.put(None)
+            kind, bad, mapped, error = acks.get(timeout=60)
+            assert error is None, error
+            assert kind == "transfer" and bad == [], f"seed {seed}: {bad}"
+        kind, mapped, released, error = acks.get(timeout=60)
+        assert (kind, mapped, released, error) == ("closed", len(seeds), len(seeds), None)
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0
+    assert set(leftover_segments()) == before
