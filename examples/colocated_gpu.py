@@ -5,6 +5,8 @@ and picks `direct` (one copy into the worker's parameters) or `ipc` for load_wei
 workers. NCCL is never used on a shared GPU (it refuses two ranks there).
 
     .venv/bin/python examples/colocated_gpu.py   # on a machine with a GPU
+
+Without a GPU in the cluster it says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import weightsync
-from weightsync.cluster import connect
+from weightsync.cluster import connect, missing_gpus
 from weightsync.models import PolicyFactory, train_step
 
 
-def main(workers: int = 2) -> None:
+def main(workers: int = 2) -> int:
     connect()
+    problem = missing_gpus(1, "examples/colocated_gpu.py")
+    if problem:
+        print(problem, flush=True)
+        return 2
     share = 1.0 / (workers + 1)
     pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
     ray.get(pg.ready(), timeout=120)
@@ -36,7 +42,8 @@ def main(workers: int = 2) -> None:
             ray.get(trainer.call.remote(train_step, step), timeout=120)
             print(ws.sync(version=step).summary())
         ws.verify()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import weightsync
-from weightsync.cluster import connect
+from weightsync.cluster import connect, missing_gpus
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 
@@ -139,7 +139,7 @@ def run(
     return [trainer, *actors]
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--workers", type=int, default=2)
@@ -148,8 +148,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     connect()
+    problem = missing_gpus(1, "examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
+    if problem:
+        print(problem, flush=True)
+        return 2
     run(args.family, args.workers, args.steps, args.transport, args.device)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

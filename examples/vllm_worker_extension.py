@@ -95,12 +95,23 @@ class EngineActor:
         return os.getpid()
 
 
-if __name__ == "__main__":  # pragma: no cover - needs vLLM and a GPU
+def main() -> int:
+    """Sync a Hugging Face model into a vLLM engine on one GPU; needs vLLM and a GPU (checked first)."""
+    import importlib.util
+
     import ray
 
     from weightsync import TrainerActor, WeightSync
+    from weightsync.cluster import connect, missing_gpus
 
-    ray.init()
+    if importlib.util.find_spec("vllm") is None:
+        print("examples/vllm_worker_extension.py needs vLLM, which is not installed here: pip install vllm", flush=True)
+        return 2
+    connect()
+    problem = missing_gpus(1, "examples/vllm_worker_extension.py")
+    if problem:
+        print(problem, flush=True)
+        return 2
     name = os.environ.get("MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 
     def hf_model() -> torch.nn.Module:
@@ -112,4 +123,9 @@ if __name__ == "__main__":  # pragma: no cover - needs vLLM and a GPU
     engine = ray.remote(EngineActor).options(num_gpus=0.5).remote(name, gpu_memory_utilization=0.3)
     with WeightSync(trainer, {"vllm": engine}) as ws:
         print(ws.sync(1).summary())
-        print(ray.get(engine.generate.remote(["The capital of France is"], max_tokens=8)))
+        print(ray.get(engine.generate.remote(["The capital of France is"], max_tokens=8), timeout=600))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,6 +4,11 @@
 #   bash scripts/run.sh demo [demo options]    # e.g. --workers 3 --transport broadcast
 #   bash scripts/run.sh test [pytest options]
 #   bash scripts/run.sh lint                   # ruff, mypy on weightsync/, hadolint on docker/
+#   bash scripts/run.sh cluster start|submit|env|stop [options]   # a local Ray head for jobs
+#
+# Each command installs only what it needs, once: the demo torch, Ray and weightsync; the
+# tests also their tools and ray[default] (a real head is tested); lint the linters; cluster
+# ray[default] (the dashboard and job server).
 #
 # torch: on a machine without an NVIDIA GPU this installs the CPU build (torch==2.13.0,
 # which the CPU machines we use serve from local disk) instead of letting a plain `torch`
@@ -15,12 +20,13 @@ cd "$(dirname "$0")/.."
 
 what="${1:-}"
 case "$what" in
-  demo|test|lint) shift ;;
-  *) echo "usage: bash scripts/run.sh demo|test|lint [options]" >&2; exit 2 ;;
+  demo|test|lint|cluster) shift ;;
+  *) echo "usage: bash scripts/run.sh demo|test|lint|cluster [options]" >&2; exit 2 ;;
 esac
 
 python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $("$python" --version 2>&1)" >&2
   "$python" -m venv .venv
 fi
 py=.venv/bin/python
@@ -39,14 +45,47 @@ if [ -z "${WEIGHTSYNC_EXTRAS+x}" ]; then
   fi
 fi
 
-extras="test,lint${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}"
+case "$what" in
+  demo) need="" ;;
+  test) need="test" ;;
+  lint) need="lint" ;;
+  cluster) need="cluster" ;;
+esac
+need="${need}${WEIGHTSYNC_EXTRAS:+${need:+,}$WEIGHTSYNC_EXTRAS}"
+
+# pip's own output, shortened to what is being fetched (numbered) and installed.
+pip_install() {
+  "$py" -m pip install --disable-pip-version-check --progress-bar off "$@" | awk '
+    /^Collecting /                    { n++; printf "  [%d] %s\n", n, $2; fflush(); next }
+    /^Installing collected packages:/ { c = split(substr($0, 32), p, ", "); printf "  installing %d package(s) ...\n", c; fflush(); next }
+    /^Successfully installed /        { printf "  done: %d package(s) installed\n", NF - 2; fflush() }'
+}
+
+# One line per installed part (core, test, lint, ...) for this torch and this pyproject.toml.
 stamp=".venv/.weightsync-setup"
-want="$WEIGHTSYNC_TORCH|$extras|$(cat pyproject.toml | cksum)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing $WEIGHTSYNC_TORCH, then weightsync[$extras]" >&2
-  "$py" -m pip install -q --disable-pip-version-check "$WEIGHTSYNC_TORCH"
-  "$py" -m pip install -q --disable-pip-version-check -e ".[$extras]"
-  echo "$want" > "$stamp"
+key="$WEIGHTSYNC_TORCH|$(cksum < pyproject.toml)"
+missing=""
+for part in core ${need//,/ }; do
+  if [ ! -f "$stamp" ] || ! grep -qxF "$part|$key" "$stamp"; then missing="$missing $part"; fi
+done
+if [ -n "$missing" ]; then
+  started=$SECONDS
+  step=1 steps=1
+  if [[ " $missing " == *" core "* ]]; then steps=2; fi
+  if [ "$steps" = 2 ]; then
+    echo "setup 1/2: $WEIGHTSYNC_TORCH$([ "$has_gpu" = 1 ] || echo ' (CPU build: no NVIDIA GPU here)')" >&2
+    pip_install "$WEIGHTSYNC_TORCH" >&2
+    step=2
+  fi
+  target="."
+  if [ -n "$need" ]; then target=".[$need]"; fi
+  echo "setup $step/$steps: weightsync$([ -n "$need" ] && echo "[$need]") and its dependencies (ray, numpy, ...)" >&2
+  pip_install -e "$target" >&2
+  : > "$stamp.new"
+  if [ -f "$stamp" ]; then grep -F "|$key" "$stamp" >> "$stamp.new" || true; fi
+  for part in $missing; do echo "$part|$key" >> "$stamp.new"; done
+  mv "$stamp.new" "$stamp"
+  echo "setup: done in $((SECONDS - started))s" >&2
 fi
 
 # Everything this command starts stays on loopback.
@@ -54,6 +93,10 @@ export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 
 if [ "$what" = demo ]; then
   exec "$py" -m weightsync demo "$@"
+fi
+
+if [ "$what" = cluster ]; then
+  exec "$py" -m weightsync cluster "$@"
 fi
 
 if [ "$what" = lint ]; then

@@ -1,4 +1,4 @@
-"""``python -m weightsync demo | bench | doctor``."""
+"""``python -m weightsync demo | bench | doctor | cluster``."""
 
 from __future__ import annotations
 
@@ -6,19 +6,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from weightsync.cli_types import mib, positive_int
 from weightsync.models import SIZES, PolicyFactory, train_step
 from weightsync.wire.settings import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS
-
-
-def _mib(value: str) -> int:
-    return int(float(value) * 1024 * 1024)
 
 
 def _print(*parts: Any) -> None:
@@ -170,13 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train a small policy and sync it to workers after every step")
     d.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
-    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--workers", type=positive_int, default=2)
     d.add_argument("--transport", default="auto", choices=["auto", "broadcast", "ipc", "direct"])
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
     d.add_argument("--size", default="30mb", choices=list(SIZES))
-    d.add_argument("--buffer-mib", type=_mib, default=DEFAULT_BUFFER_BYTES, help="buffer size in MiB (default 256)")
-    d.add_argument("--num-buffers", type=int, default=DEFAULT_NUM_BUFFERS)
+    d.add_argument("--buffer-mib", type=mib, default=DEFAULT_BUFFER_BYTES, help="buffer size in MiB (default 256)")
+    d.add_argument("--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS)
     d.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync")
     d.add_argument("--num-cpus", type=int, default=None, help="CPUs for an embedded cluster")
@@ -188,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
 
+    c = sub.add_parser("cluster", help="a local Ray head (loopback, token auth) and job submission to it")
+    from weightsync.cluster_cli import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(c)
+
     doc = sub.add_parser("doctor", help="versions, devices, and which transports work here")
     doc.add_argument("--ray", action="store_true", help="also start (or join) Ray and list its resources")
     doc.add_argument("--address")
@@ -197,7 +198,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo" and args.workers < 1:
-        print("error: --workers must be at least 1", file=sys.stderr)
-        return 2
     return int(args.func(args))

@@ -45,3 +45,18 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         kwargs["num_gpus"] = num_gpus
     ray.init(**kwargs)
     return {"mode": "started", "address": "local"}
+
+
+def missing_gpus(needed: float, what: str) -> str | None:
+    """``None`` when the connected cluster offers ``needed`` GPUs, else the line to print.
+
+    Examples call this right after :func:`connect` so that a machine without a GPU gets one
+    sentence at once instead of an actor that waits for a GPU until a timeout.
+    """
+    have = float(ray.cluster_resources().get("GPU", 0))
+    if have >= needed:
+        return None
+    return (
+        f"{what} needs {needed:g} GPU(s) but the Ray cluster has {have:g}: run it on a machine with an NVIDIA GPU, "
+        "or join a cluster that has one (--address or RAY_ADDRESS)"
+    )

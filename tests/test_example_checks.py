@@ -1,0 +1,35 @@
+"""Examples that need a GPU or vLLM say so in one line at once, instead of waiting for one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+
+
+@pytest.mark.parametrize(
+    ("example", "needs"),
+    [
+        (["examples/colocated_gpu.py"], ("GPU",)),
+        (["examples/hf_transformers.py", "--device", "cuda"], ("GPU",)),
+        (["examples/vllm_worker_extension.py"], ("vLLM", "GPU")),
+    ],
+)
+def test_an_example_without_what_it_needs_exits_2_naming_it(
+    example: list[str], needs: tuple[str, ...], ray_session: None
+) -> None:
+    # Joins this session's cluster (no GPU), the way `ray job submit` would run it.
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, *example], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    assert example[0] in lines[0] and any(need in lines[0] for need in needs), lines[0]

@@ -1,0 +1,39 @@
+"""The reference design's actors: one slot, packed and consumed chunk by chunk through Ray.
+
+The bench measures weightsync against the design it grew from, which hands every chunk over
+with a Ray call to the trainer (pack it) and one to the worker (consume it). These actors add
+those two calls on top of the ready-made ones, through the per-chunk IPC API
+(``IpcSender.pack`` / ``IpcReceiver.consume``); the shipped worker protocol has no such call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from weightsync.actors import _Trainer, _Worker
+from weightsync.transport.base import unpacker_for
+from weightsync.wire.errors import WeightSyncError
+from weightsync.wire.messages import ChunkHandle
+
+
+class ChunkTrainer(_Trainer):
+    def pack_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
+        sender = self._ws()
+        if sender.ipc is None:
+            raise WeightSyncError("trainer: no IPC export is open; set up an ipc WeightSync first")
+        return sender.ipc.pack(chunk_index, slot, sender.checked_sources().tensors)
+
+
+class ChunkWorker(_Worker):
+    def consume_chunk(self, handle: ChunkHandle) -> None:
+        receiver = self._wr()
+        ipc = receiver.ipc
+        if ipc is None or receiver.manifest is None:
+            raise WeightSyncError(f"{receiver.name}: no IPC export is attached; set up an ipc WeightSync first")
+        ipc.consume(handle, unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
+
+
+ChunkTrainerActor: Any = ray.remote(ChunkTrainer)
+ChunkWorkerActor: Any = ray.remote(ChunkWorker)

@@ -1,0 +1,55 @@
+"""argparse value types shared by the subcommands (demo, bench).
+
+A type that raises ``argparse.ArgumentTypeError`` makes argparse exit with status 2 and a
+message that names the option (``argument --steps: must be at least 1, got 0``), so each
+check lives here once instead of after parsing in every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+
+def positive_int(value: str) -> int:
+    """A whole number of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def mib(value: str) -> int:
+    """A size in MiB (fractions allowed), returned in bytes; must be positive."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 MiB, got {value}")
+    return int(number * 1024 * 1024)
+
+
+def comma_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """Comma-separated names, each one of ``allowed`` (an unknown name is refused by name)."""
+
+    def parse(value: str) -> list[str]:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))}; choose from {','.join(allowed)}"
+            )
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected at least one of {','.join(allowed)}")
+        return names
+
+    return parse
+
+
+def positive_int_list(value: str) -> list[int]:
+    """Comma-separated whole numbers, each at least 1."""
+    return [positive_int(part) for part in value.split(",")]
