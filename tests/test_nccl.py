@@ -274,9 +274,9 @@ def test_cuda_ipc_between_two_processes_maps_once_per_export_and_memory_stays_fl
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
-    assert producer_memory[9] == producer_memory[-1], (
-        f"producer memory grew: {producer_memory[9]} -> {producer_memory[-1]}"
-    )
-    assert consumer_memory[9] == consumer_memory[-1], (
-        f"consumer memory grew: {consumer_memory[9]} -> {consumer_memory[-1]}"
-    )
+    # Flat means no growth: what is allocated and reserved after transfer 50 is at most what
+    # it was after transfer 10 (a small allocation of the first transfers may be freed later).
+    for side, memory in (("producer", producer_memory), ("consumer", consumer_memory)):
+        assert all(late <= early for early, late in zip(memory[9], memory[-1])), (
+            f"{side} memory grew: {memory[9]} -> {memory[-1]}"
+        )
