@@ -19,7 +19,7 @@ from weightsync import WeightReceiver, WeightSender
 from weightsync.packing import ChunkUnpacker
 from weightsync.sinks import LoadWeightsSink
 from weightsync.transport.gloo import GlooCommunicator
-from weightsync.wire import Manifest
+from weightsync.wire import Manifest, SyncCall
 
 LAYOUT = [
     ("embed", (300, 40), torch.bfloat16),  # 24000 bytes: split across 8 KiB buffers
@@ -63,10 +63,10 @@ def gloo_rank(
         manifest = Manifest.build(WeightSender(Holder(0)).specs(), buffer_bytes, num_buffers)
         receiver.accept(manifest)
         comm = GlooCommunicator("127.0.0.1", port, rank, world, "test-group", 30.0)
-        receiver.open_broadcast(comm, 30.0)
+        receiver.open_broadcast(comm, ["trainer", *(f"rank-{r}" for r in range(1, world))], 30.0)
         results = []
-        for seed in seeds:
-            receiver.receive_broadcast()
+        for sync, seed in enumerate(seeds):
+            receiver.receive(SyncCall(seq=sync, version=sync + 1))
             results.append(receiver.sink.module.matches(seed))  # type: ignore[attr-defined]
         receiver.close_transports()
         queue.put((rank, results, None))
@@ -112,24 +112,17 @@ def ipc_consumer(
         receiver = WeightReceiver(LoadWeightsSink(load), name="consumer")
         receiver.accept(manifest)
         receiver.attach_ipc(export, 0, 30.0)
-        unpack = receiver.unpacker
+        inner = ChunkUnpacker.unpack
 
-        def counting_unpacker() -> ChunkUnpacker:
-            unpacker = unpack()
-            inner = unpacker.unpack
+        def counting_unpack(unpacker: ChunkUnpacker, chunk: Any, buffer: torch.Tensor) -> Any:
+            state["g"] = state["sync"] * nchunks + chunk.index
+            return inner(unpacker, chunk, buffer)
 
-            def wrapped(chunk: Any, buffer: torch.Tensor) -> Any:
-                state["g"] = state["sync"] * nchunks + chunk.index
-                return inner(chunk, buffer)
-
-            unpacker.unpack = wrapped  # type: ignore[method-assign]
-            return unpacker
-
-        receiver.unpacker = counting_unpacker  # type: ignore[method-assign]
+        ChunkUnpacker.unpack = counting_unpack  # type: ignore[method-assign]  # this child process only
         results = []
         for sync, seed in enumerate(seeds):
             state["sync"] = sync
-            receiver.receive_ipc(sync)
+            receiver.receive(SyncCall(seq=sync, version=sync + 1))
             results.append(holder.matches(seed))
         importer = receiver.ipc.importer  # type: ignore[union-attr]
         receiver.close_transports()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import os
 import threading
 from typing import Any
@@ -27,9 +28,20 @@ from weightsync import (
 )
 from weightsync.actors import _Worker
 from weightsync.packing import ChunkUnpacker
+from weightsync.transport.base import unpacker_for
 from weightsync.sinks import module_tensors
 from weightsync.transport.shm import leftover_segments
-from weightsync.wire import ChunkHandle, ExportNotFound, Manifest, ManifestError, ShmHandle, WeightSyncError
+from weightsync.wire import (
+    ChunkHandle,
+    ExportNotFound,
+    Manifest,
+    ManifestError,
+    PROTOCOL_VERSION,
+    ShmHandle,
+    Status,
+    SyncSettings,
+    WeightSyncError,
+)
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
@@ -76,7 +88,8 @@ def test_handshake_names_worker_and_every_mismatched_tensor_before_any_byte_move
         ws.setup()
     text = str(info.value)
     assert "before any byte moved" in text
-    assert "renamed: ManifestError: renamed does not match" in text
+    assert info.value.culprits == ["renamed", "reshaped"]
+    assert info.value.outcomes["renamed"].error == "ManifestError"
     assert "after_odd: sent by the trainer but missing on renamed" in text
     assert "extra: present on renamed but not sent by the trainer" in text
     assert "odd: shape [3, 5] on the trainer, [5, 3] on reshaped" in text
@@ -116,8 +129,8 @@ def test_empty_model_is_refused_at_setup(actors: Any) -> None:
 
 def test_protocol_version_and_tampered_manifest_are_refused_by_the_receiver() -> None:
     receiver = WeightReceiver(MixedModel(seed=1), name="worker-7")
-    good = WeightSender(MixedModel(seed=0)).manifest(4096)
-    future = Manifest(good.specs, good.buffer_bytes, good.num_buffers, good.alignment, good.chunks, 2, good.total_bytes)
+    good = WeightSender(MixedModel(seed=0)).manifest(SyncSettings(buffer_bytes=4096))
+    future = Manifest(good.specs, good.buffer_bytes, good.num_buffers, good.alignment, good.chunks, PROTOCOL_VERSION + 1, good.total_bytes)
     with pytest.raises(ManifestError, match="protocol version mismatch"):
         receiver.accept(future)
     with pytest.raises(ManifestError, match="expected a Manifest, got dict"):
@@ -128,14 +141,17 @@ def test_protocol_version_and_tampered_manifest_are_refused_by_the_receiver() ->
 def test_ipc_and_direct_refuse_workers_off_the_trainers_device(actors: Any) -> None:
     ws = WeightSync(trainer_of(actors), [worker_of(actors)], transport="ipc")
     # Pretend the worker lives elsewhere: the coordinator must refuse, naming it.
-    from weightsync.actors import EndpointInfo
+    from weightsync.choice import choose_transport
+    from weightsync.wire import EndpointInfo, SettingsError
 
-    info = EndpointInfo("other-node", "10.0.0.9", "h", 1, "cpu", None, True)
+    def where(node: str) -> EndpointInfo:
+        return EndpointInfo(
+            node_id=node, node_ip="127.0.0.1", hostname="h", pid=1, device="cpu", gpu_uuid=None, sink_allows_direct=True
+        )
+
     w = ws._workers["worker-0"]
-    w.info = info
-    trainer_info = EndpointInfo("this-node", "127.0.0.1", "h", 2, "cpu", None, True)
-    with pytest.raises(SetupError, match="worker-0: transport 'ipc' needs the worker on the trainer's device"):
-        ws._choose(trainer_info, w)
+    with pytest.raises(SettingsError, match="worker-0: transport 'ipc' needs the worker on the trainer's device"):
+        choose_transport(where("this-node"), where("other-node"), w.requested, w.name)
 
 
 # --- 2 and 3. timeouts and dead peers ------------------------------------------------------
@@ -174,7 +190,8 @@ def test_worker_killed_mid_sync_is_named_dropped_and_the_rest_sync_again(transpo
     with pytest.raises(SyncError) as info:
         ws.sync(2)
     assert "doomed" in info.value.dead
-    assert "doomed: actor died" in str(info.value)
+    assert info.value.outcomes["doomed"].status is Status.DEAD
+    assert info.value.culprits == ["doomed"]
     assert "dropped dead worker(s) doomed" in str(info.value)
     assert list(ws.workers) == ["healthy"]
     # The healthy worker holds version 1 or is dirty; it never claims version 2.
@@ -203,8 +220,10 @@ def test_stuck_worker_times_out_naming_it_and_the_trainer_stays_usable(actors: A
     with pytest.raises(SyncError) as info:
         ws.sync(1)
     text = str(info.value)
-    assert "trainer: TransferTimeout" in text and "stuck to release slot" in text, text
-    assert "stuck: no answer" in text
+    assert info.value.culprits == ["stuck"], text
+    assert info.value.outcomes["stuck"].status is Status.TIMED_OUT
+    assert info.value.outcomes["trainer"].error == "TransferTimeout"
+    assert info.value.outcomes["trainer"].blames == ("stuck",)
     ws.remove_worker("stuck")
     ray.kill(stuck)
     ws.sync(2)
@@ -385,7 +404,7 @@ def test_200_syncs_grow_no_host_memory_segments_or_descriptors(actors: Any) -> N
 
 def ipc_pair(buffer_bytes: int = 1024) -> tuple[WeightSender, WeightReceiver, MixedModel]:
     sender = WeightSender(MixedModel(seed=0))
-    manifest = sender.manifest(buffer_bytes, 2)
+    manifest = sender.manifest(SyncSettings(buffer_bytes=buffer_bytes))
     target = MixedModel(seed=1)
     receiver = WeightReceiver(target, name="worker-h")
     receiver.accept(manifest)
@@ -393,25 +412,37 @@ def ipc_pair(buffer_bytes: int = 1024) -> tuple[WeightSender, WeightReceiver, Mi
     return sender, receiver, target
 
 
+def pack(sender: WeightSender, chunk: int, slot: int) -> ChunkHandle:
+    """The per-chunk IPC API on the trainer's side."""
+    assert sender.ipc is not None
+    return sender.ipc.pack(chunk, slot, sender.sources())
+
+
+def consume(receiver: WeightReceiver, handle: ChunkHandle, unpacker: ChunkUnpacker | None = None) -> None:
+    """The per-chunk IPC API on the worker's side."""
+    assert receiver.ipc is not None and receiver.manifest is not None
+    receiver.ipc.consume(handle, unpacker or unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
+
+
 def test_hostile_chunk_handles_are_refused_and_nothing_is_written(no_shm_leftovers: None) -> None:
     sender, receiver, target = ipc_pair()
     before = state_of(target)
-    good = sender.pack_ipc_chunk(0, 0)
+    good = pack(sender, 0, 0)
     n = len(sender.current_manifest.chunks)
     cases = [
-        (ChunkHandle(good.session, 0, n + 3, good.nbytes), f"chunk index {n + 3} out of range"),
-        (ChunkHandle(good.session, 0, -1, good.nbytes), "chunk index -1 out of range"),
-        (ChunkHandle(good.session, 7, 0, good.nbytes), "slot 7 out of range"),
-        (ChunkHandle("0123456789abcdef", 0, 0, good.nbytes), "handle from a previous session"),
-        (ChunkHandle(good.session, 0, 0, good.nbytes + 1), "handle says"),
+        (replace(good, chunk_index=n + 3), f"chunk index {n + 3} out of range"),
+        (replace(good, chunk_index=-1), "chunk index -1 out of range"),
+        (replace(good, slot=7), "slot 7 out of range"),
+        (replace(good, session="0123456789abcdef"), "handle from a previous session"),
+        (replace(good, nbytes=good.nbytes + 1), "handle says"),
     ]
     for handle, message in cases:
         with pytest.raises(WeightSyncError, match=message):
-            receiver.consume_ipc_chunk(handle)
+            consume(receiver, handle)
         after = state_of(target)
         for name in before:
             assert_bit_equal(after[name], before[name], name)
-    receiver.consume_ipc_chunk(good)
+    consume(receiver, good)
     assert not torch.equal(state_of(target)["odd"], before["odd"])
     receiver.close_transports()
     sender.close_transports()
@@ -441,10 +472,10 @@ def test_ipc_importer_maps_once_and_releases_once_across_many_chunks(no_shm_left
     assert ipc is not None
     for sync in range(3):
         perturb(sender.model, sync)  # type: ignore[arg-type]
-        unpacker = receiver.unpacker()
+        unpacker = unpacker_for(receiver.manifest, receiver.sink)  # type: ignore[arg-type]
         for k in range(nchunks):
             # Consume chunk k before packing chunk k+1 into the reused slot.
-            receiver.consume_ipc_chunk(sender.pack_ipc_chunk(k, k % 2), unpacker)
+            consume(receiver, pack(sender, k, k % 2), unpacker)
         unpacker.finish()
         expected = state_of(sender.model)  # type: ignore[arg-type]
         got = state_of(target)
@@ -458,7 +489,7 @@ def test_ipc_importer_maps_once_and_releases_once_across_many_chunks(no_shm_left
 
 def test_unpacker_refuses_a_transfer_that_ends_half_way() -> None:
     sender = WeightSender(MixedModel(seed=0, big=3000))
-    m = sender.manifest(1024)
+    m = sender.manifest(SyncSettings(buffer_bytes=1024))
     unpacker = ChunkUnpacker(m.specs, lambda i: None, False)
     buffer = torch.empty(1024, dtype=torch.uint8)
     from weightsync.packing import pack_chunk

@@ -10,10 +10,11 @@ import torch
 
 from tests.procs import Holder, gloo_rank, ipc_consumer
 from weightsync.sender import WeightSender
+from weightsync.transport.base import Sources
 from weightsync.transport.broadcast import BroadcastSender
 from weightsync.transport.gloo import GlooCommunicator, open_store
 from weightsync.transport.shm import leftover_segments
-from weightsync.wire import Manifest
+from weightsync.wire import Manifest, SyncCall, SyncSettings, TransferTimeout
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]
@@ -43,17 +44,20 @@ def test_gloo_broadcast_to_two_receivers_over_loopback_is_bit_exact(num_buffers:
     try:
         model = Holder(seed=0)
         sender = WeightSender(model)
-        manifest = sender.manifest(buffer_bytes, num_buffers)
+        manifest = sender.manifest(SyncSettings(buffer_bytes=buffer_bytes, num_buffers=num_buffers))
         assert len(manifest.chunks) >= 4
         sender.open_broadcast(
-            GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store), 30.0
+            GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store),
+            ["trainer", "rank-1", "rank-2"],
+            30.0,
         )
-        assert sender.broadcast is not None
+        half = sender.halves["broadcast"]
+        assert isinstance(half, BroadcastSender)
         first_buffers = None
-        for seed in SEEDS:
+        for sync, seed in enumerate(SEEDS):
             model.load(seed)
-            sender.send_broadcast()
-            buffers = [b.data_ptr() for b in sender.broadcast.buffers()]
+            sender.send(SyncCall(seq=sync, version=sync + 1, kinds=("broadcast",)))
+            buffers = [b.data_ptr() for b in half.buffers()]
             first_buffers = first_buffers or buffers
             assert buffers == first_buffers, "buffers must be allocated once and reused"
         results = collect(queue, 2)
@@ -71,7 +75,7 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     buffer_bytes = 8192
     model = Holder(seed=0)
     sender = WeightSender(model)
-    manifest = sender.manifest(buffer_bytes, num_buffers)
+    manifest = sender.manifest(SyncSettings(buffer_bytes=buffer_bytes, num_buffers=num_buffers))
     assert len(manifest.chunks) > num_buffers
     export = sender.export_ipc(["consumer"], 30.0)
     queue = CTX.Queue()
@@ -80,7 +84,7 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     try:
         for sync, seed in enumerate(SEEDS):
             model.load(seed)
-            sender.send_ipc(sync, [0])
+            sender.send(SyncCall(seq=sync, version=sync + 1, kinds=("ipc",)))
         [(matches, rewritten, maps, releases, _)] = collect(queue, 1)
         assert matches == [True] * len(SEEDS)
         assert rewritten == 0
@@ -96,25 +100,25 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
     monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
 ) -> None:
     """Break the producer on purpose (never wait for the slot): the same check must fire."""
-    import weightsync.transport.ipc as ipc
+    from weightsync.transport.control import ControlBlock
 
-    def no_wait(predicate, deadline, control, me, what, names, **kw):  # type: ignore[no-untyped-def]
+    def no_wait(block, predicate, deadline, me, what, names, **kw):  # type: ignore[no-untyped-def]
         if "release slot" in what():
             return
-        return original(predicate, deadline, control, me, what, names, **kw)
+        return original(block, predicate, deadline, me, what, names, **kw)
 
-    original = ipc.wait_until
-    monkeypatch.setattr(ipc, "wait_until", no_wait)
+    original = ControlBlock.wait
+    monkeypatch.setattr(ControlBlock, "wait", no_wait)
     model = Holder(seed=0)
     sender = WeightSender(model)
-    sender.manifest(8192, 1)
+    sender.manifest(SyncSettings(buffer_bytes=8192, num_buffers=1))
     export = sender.export_ipc(["consumer"], 30.0)
     queue = CTX.Queue()
     child = CTX.Process(target=ipc_consumer, args=(export, 8192, 1, SEEDS[:1], queue, True))
     child.start()
     try:
         model.load(SEEDS[0])
-        sender.send_ipc(0, [0])
+        sender.send(SyncCall(seq=0, version=1, kinds=("ipc",)))
         [(_, rewritten, _, _, _)] = collect(queue, 1)
         assert rewritten > 0
     finally:
@@ -146,6 +150,9 @@ class RecordingComm:
 
         return Work()
 
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        return []
+
     def abort(self) -> None:
         self.aborted = True
 
@@ -157,11 +164,11 @@ class RecordingComm:
 def test_producer_keeps_in_flight_chunks_intact_and_drains_before_returning(num_buffers: int) -> None:
     # NeMo-RL #3055 tore weights by returning before the last sends finished.
     model = Holder(seed=0)
-    manifest = WeightSender(model).manifest(8192, num_buffers)
+    manifest = WeightSender(model).manifest(SyncSettings(buffer_bytes=8192, num_buffers=num_buffers))
     comm = RecordingComm()
-    sender = BroadcastSender(comm, manifest, 30.0)
+    sender = BroadcastSender(comm, manifest, 30.0, ["trainer", "worker"])
     sources = [t for _, t in WeightSender(model).named_tensors()]
-    sender.send(sources)
+    sender.send(Sources(sources, None), SyncCall(seq=0, version=1))
     assert comm.started == len(manifest.chunks)
     assert comm.waited == comm.started, "every broadcast must be waited for before send returns"
     assert comm.torn == 0
@@ -179,11 +186,11 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         assert ready.get(timeout=120) == "joining"
         comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "idle", 2.0, store=store)
         model = Holder(seed=0)
-        sender = BroadcastSender(comm, Manifest.build(WeightSender(model).specs(), 8192, 2), 1.0)
+        sender = BroadcastSender(comm, Manifest.build(WeightSender(model).specs(), 8192, 2), 1.0, ["trainer", "idle"])
         t0 = time.monotonic()
         sources = [t for _, t in WeightSender(model).named_tensors()]
-        with pytest.raises(Exception) as info:
-            sender.send(sources)
+        with pytest.raises(TransferTimeout) as info:
+            sender.send(Sources(sources, None), SyncCall(seq=0, version=1))
         text = str(info.value)
         assert "rank 0" in text and "timeout_s" in text, text
         assert time.monotonic() - t0 < 60  # bounded by the timeout, not a hang

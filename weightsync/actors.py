@@ -135,7 +135,7 @@ class TrainerMixin:
     def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
         def join() -> None:
             comm = _communicator(spec, self.weightsync_device(), self._ws_store)
-            self._ws().open_broadcast(comm, spec, members)
+            self._ws().open_broadcast(comm, members, spec.timeout_s)
 
         return _answer("trainer", "join", join)
 
@@ -211,7 +211,7 @@ class WorkerMixin:
 
     def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
         def join() -> None:
-            self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), spec, members)
+            self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), members, spec.timeout_s)
 
         return _answer(self._me(), "join", join)
 

@@ -31,7 +31,7 @@ def _from_error(party: str, phase: str, exc: BaseException, handle: Any) -> Outc
         mine = getattr(handle, "_actor_id", None)
         if died is None or mine is None or str(died) == mine.hex():
             return Outcome(
-                party=party, phase=phase, status=Status.DEAD, error=type(exc).__name__, message=str(exc)[:500]
+                party=party, phase=phase, status=Status.DEAD, error=type(exc).__name__, message=str(exc)
             )
         return Outcome(
             party=party,

@@ -27,7 +27,7 @@ from weightsync.transport.direct import DirectTarget
 from weightsync.transport.ipc import IpcReceiver
 from weightsync.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import DirectExport, GroupSpec, IpcExport, ReceiveResult, SyncCall
+from weightsync.wire.messages import DirectExport, IpcExport, ReceiveResult, SyncCall
 from weightsync.wire.outcome import Outcome
 
 
@@ -178,9 +178,9 @@ class WeightReceiver:
         return self.sink.checksums(self._manifest())
 
     # transports -------------------------------------------------------------------------
-    def open_broadcast(self, comm: Communicator, spec: GroupSpec, members: Sequence[str]) -> None:
+    def open_broadcast(self, comm: Communicator, members: Sequence[str], timeout_s: float) -> None:
         self.close_transports()
-        self.half = BroadcastReceiver(comm, self._manifest(), spec.timeout_s, members)
+        self.half = BroadcastReceiver(comm, self._manifest(), timeout_s, members)
 
     def attach_ipc(self, export: IpcExport, consumer_index: int, timeout_s: float) -> None:
         self.close_transports()

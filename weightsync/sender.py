@@ -28,7 +28,7 @@ from weightsync.transport.direct import DirectWriter
 from weightsync.transport.ipc import IpcSender
 from weightsync.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.wire.manifest import Manifest, TensorSpec
-from weightsync.wire.messages import DirectExport, GroupSpec, IpcExport, SendResult, SyncCall
+from weightsync.wire.messages import DirectExport, IpcExport, SendResult, SyncCall
 from weightsync.wire.settings import SyncSettings
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -127,6 +127,10 @@ class WeightSender:
             self._checked_key = key
         return Sources(tensors, key)
 
+    def sources(self) -> list[torch.Tensor]:
+        """This sync's tensors in manifest order, detached (see :meth:`checked_sources`)."""
+        return [t.detach() for t in self.checked_sources().tensors]
+
     def _changes(self, manifest: Manifest, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         now = {n: t for n, t in pairs}
         then = {s.name: s for s in manifest.specs}
@@ -178,9 +182,9 @@ class WeightSender:
         return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
 
     # transports -------------------------------------------------------------------------
-    def open_broadcast(self, comm: Communicator, spec: GroupSpec, members: Sequence[str]) -> None:
+    def open_broadcast(self, comm: Communicator, members: Sequence[str], timeout_s: float) -> None:
         self._close("broadcast")
-        self.halves["broadcast"] = BroadcastSender(comm, self.current_manifest, spec.timeout_s, members)
+        self.halves["broadcast"] = BroadcastSender(comm, self.current_manifest, timeout_s, members)
 
     def export_ipc(self, consumer_names: Sequence[str], timeout_s: float) -> IpcExport:
         self._close("ipc")
