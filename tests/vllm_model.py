@@ -104,10 +104,11 @@ def prompt_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:
 def engine_params(worker: object) -> dict[str, torch.Tensor]:
     """Every parameter of the engine's model, as the engine computes with it.
 
-    vLLM's CPU build hands each linear layer's weight to a oneDNN kernel after loading and
-    leaves an empty Parameter behind, so those weights are read back through the kernel
-    itself: ``cpu_linear(I)`` for the identity ``I`` is ``W^T`` exactly (each output is one
-    bf16 product with 1.0, accumulated in fp32 with zeros).
+    vLLM's CPU build hands each linear layer's weight (and the tied ``lm_head``'s) to a
+    oneDNN kernel after loading; linear layers keep only an empty Parameter. So every
+    weight with a CPU kernel is read back through the kernel itself: ``cpu_linear(I)`` for
+    the identity ``I`` is ``W^T`` exactly (each output is one bf16 product with 1.0,
+    accumulated in fp32 with zeros). That also catches a kernel built from stale weights.
     """
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -116,10 +117,12 @@ def engine_params(worker: object) -> dict[str, torch.Tensor]:
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{name}" if module_name else name
-            if isinstance(module, LinearBase) and name == "weight" and param.numel() == 0:
-                eye = torch.eye(module.input_size_per_partition, dtype=param.dtype)
+            kernel = getattr(module, "cpu_linear", None)
+            if name == "weight" and (param.ndim == 2 or param.numel() == 0) and callable(kernel) and kernel is not torch.nn.functional.linear:
+                width = module.input_size_per_partition if isinstance(module, LinearBase) else param.shape[1]
+                eye = torch.eye(width, dtype=param.dtype)
                 with torch.no_grad():
-                    out[full] = module.cpu_linear(eye, param, None).t().contiguous()
+                    out[full] = kernel(eye, param, None).t().contiguous()
             else:
                 out[full] = param.detach().cpu().clone()
     return out

@@ -81,8 +81,13 @@ class _VLLMWorker:
         extension = llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
         if extension != EXTENSION:
             raise ValueError(f"VLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
-        if native:
+        # The native backend is configured unless the caller brought another one, so
+        # either path can carry a session (see use_native).
+        self._has_backend = "weight_transfer_config" not in llm_kwargs
+        if self._has_backend:
             llm_kwargs["weight_transfer_config"] = {"backend": BACKEND}
+        elif native:
+            raise ValueError("native=True needs VLLMWorker to configure weight_transfer_config itself; drop yours")
         self.name = name
         self.timeout_s = float(timeout_s)
         self.native = native
@@ -90,16 +95,27 @@ class _VLLMWorker:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-rpc")
         self._version: int | None = None
+        self._rank_pids: list[int] = []
         self.llm = LLM(**llm_kwargs)
         if expected_specs is None and check_model:
             dtype = self.llm.llm_engine.model_config.dtype
             expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
         specs = tuple(expected_specs) if expected_specs is not None else None
-        if native:
+        self._replies(self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs)),)), "setup")
+        if self._has_backend:
             rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
-            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": {"name": name, "expected_specs": rows}}))
-        else:
-            self._replies(self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs)),)), "setup")
+            init_info = {"name": name, "expected_specs": rows}
+            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
+        self._rank_pids = [r.pid for r in self.ranks()]
+
+    def use_native(self, native: bool) -> None:
+        """Send the coordinator's calls through the native backend (True) or the worker
+        extension (False). Each path has its own receiver: switch between WeightSync
+        sessions, then run setup again (a new WeightSync does)."""
+        if native and not self._has_backend:
+            raise WeightSyncError(f"{self.name}: started with another weight_transfer_config; the native path is off")
+        with self._lock:
+            self.native = bool(native)
 
     # bounded RPC ------------------------------------------------------------------------
     def _rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -115,9 +131,29 @@ class _VLLMWorker:
             self._broken = f"{method} got no answer within {self.timeout_s:.0f}s"
         except EngineDeadError as exc:
             self._broken = f"the engine died during {method}: {exc}"
-        except TimeoutError:  # vLLM's own bound on the workers
-            self._broken = f"{method} timed out inside the engine after {self.timeout_s:.0f}s"
+        except Exception as exc:
+            # A call pending when the engine died fails with a plain error ("cancelled");
+            # the engine's own flag says whether that is what happened.
+            if not self._engine_dead():
+                raise EngineCallError(f"{self.name}: {method} failed in the engine: {type(exc).__name__}: {exc}") from exc
+            self._broken = f"the engine died during {method} ({type(exc).__name__}: {exc})"
         raise EngineCallError(f"{self.name}: {self._broken}")
+
+    def _engine_dead(self) -> bool:
+        """The engine client's own flag, or a vLLM worker process that is gone (the engine
+        core answers the pending call before it notices and dies itself)."""
+        import psutil
+
+        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
+        if getattr(resources, "engine_dead", False):
+            return True
+        for pid in self._rank_pids:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+        return False
 
     def _check(self, results: list[Any]) -> None:
         if any(r is not None for r in results):
@@ -173,7 +209,7 @@ class _VLLMWorker:
     def ranks(self) -> list[RankInfo]:
         """Each TP rank: pid, device, tensors loaded so far, version and state."""
         with self._lock:
-            return [r.value for r in self._replies(self._rpc("weightsync_ranks"), "ranks")]
+            return [r.value for r in self._replies(self._rpc("weightsync_ranks", args=(self.native,)), "ranks")]
 
     def weight_version(self) -> str:
         return str(self.llm.llm_engine.engine_core.get_weight_version())

@@ -148,14 +148,12 @@ class WorkerExtension:
             self._weightsync_session_open = False
             return encode_reply(failed_reply(exc))
 
-    def weightsync_ranks(self) -> bytes:
-        """This rank's :class:`RankInfo` (extension or native endpoint)."""
+    def weightsync_ranks(self, native: bool) -> bytes:
+        """This rank's :class:`RankInfo`, of the native backend's endpoint or the extension's."""
 
         def info() -> RankInfo:
-            endpoint = self._weightsync_endpoint
             engine = getattr(self, "weight_transfer_engine", None)
-            if endpoint is None and engine is not None:
-                endpoint = getattr(engine, "endpoint", None)
+            endpoint = getattr(engine, "endpoint", None) if native else self._weightsync_endpoint
             if endpoint is None:
                 raise WeightSyncError("no weightsync endpoint on this vLLM worker yet")
             return rank_info(endpoint)
