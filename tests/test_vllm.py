@@ -39,7 +39,7 @@ def get(ref: Any, timeout: float = RAY_TIMEOUT) -> Any:
 
 
 def engine_kwargs(path: str, **extra: Any) -> dict[str, Any]:
-    return dict(model=path, dtype="bfloat16", enforce_eager=True, max_model_len=128, env=ENV, **extra)
+    return {"model": path, "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 128, "env": ENV, **extra}
 
 
 def start_engine(path: str, **extra: Any) -> Any:

@@ -1,9 +1,7 @@
-"""A tiny Llama checkpoint for the vLLM tests, written at test time (nothing downloads).
-
-The tokenizer is a word-level one built here from a fixed word list and saved next to the
-weights, so vLLM starts from the directory alone. Also: the trainer's model (the same
-architecture with other weights, fp32), and the trainer's tensors in vLLM's fused layout,
-for bit-exact comparison with what the engine holds.
+"""Helpers for the vLLM tests: the tiny Llama checkpoint and trainer model come from the
+example (one definition); here are a model the handshake must refuse, the trainer's tensors
+in vLLM's fused layout, reference prompt log-probs, and the functions that run inside the
+vLLM worker processes to read back what the engine holds.
 """
 
 from __future__ import annotations
@@ -13,52 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-WORDS = (
-    "the a cat dog bird sat ran flew on under over mat tree house red blue green big small one two three four "
-    "five six seven eight nine ten and then it is was"
-).split()
-SPECIAL = ["<unk>", "<s>", "</s>"]
-PROMPTS = ["the cat sat on the mat", "one two three four", "a big red dog ran under the tree"]
-# head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
-CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+from examples.vllm_rlhf import PROMPTS, llama_config, trainer_model, write_checkpoint
 
-
-def llama_config(**overrides: object) -> object:
-    import transformers
-
-    settings = {**CONFIG, "vocab_size": len(SPECIAL) + len(WORDS), "bos_token_id": 1, "eos_token_id": 2, **overrides}
-    return transformers.LlamaConfig(**settings)
-
-
-def write_checkpoint(path: Path, seed: int = 0, **overrides: object) -> Path:
-    """Tokenizer and bf16 weights for a tiny Llama, saved with ``save_pretrained``."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(path)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(llama_config(**overrides))
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def trainer_model(path: str, seed: int = 1) -> nn.Module:
-    """The checkpoint's model in fp32 with other weights (seeded noise on every tensor)."""
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+__all__ = ["PROMPTS", "llama_config", "trainer_model", "write_checkpoint"]
 
 
 def other_model(seed: int = 2) -> nn.Module:
@@ -125,4 +80,37 @@ def engine_params(worker: object) -> dict[str, torch.Tensor]:
                     out[full] = kernel(eye, param, None).t().contiguous()
             else:
                 out[full] = param.detach().cpu().clone()
+    return out
+
+
+def tp_shard(full: dict[str, torch.Tensor], rank: int, tp: int, heads: int, kv_heads: int, vocab_rows: int) -> dict[str, torch.Tensor]:
+    """What TP rank ``rank`` of ``tp`` holds of the fused layout ``full`` (vLLM's Llama):
+    column-parallel weights split by output rows (q/k/v by heads, gate/up each in half),
+    row-parallel ones by input columns, the vocabulary padded to ``vocab_rows`` then split."""
+
+    def rows(t: torch.Tensor, parts: int = tp) -> torch.Tensor:
+        n = t.shape[0] // parts
+        return t[rank * n : (rank + 1) * n]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[1] // tp
+        return t[:, rank * n : (rank + 1) * n]
+
+    out = {}
+    for name, t in full.items():
+        if name.endswith("qkv_proj.weight"):
+            head = t.shape[1] // heads  # hidden == heads * head_dim in these models
+            q, k, v = t.split([heads * head, kv_heads * head, kv_heads * head])
+            out[name] = torch.cat([rows(q), rows(k), rows(v)])
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = t.chunk(2)
+            out[name] = torch.cat([rows(gate), rows(up)])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = cols(t)
+        elif name == "model.embed_tokens.weight":
+            padded = torch.zeros((vocab_rows, t.shape[1]), dtype=t.dtype)
+            padded[: t.shape[0]] = t
+            out[name] = rows(padded)
+        else:
+            out[name] = t
     return out
