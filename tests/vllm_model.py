@@ -6,8 +6,6 @@ vLLM worker processes to read back what the engine holds.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -73,7 +71,12 @@ def engine_params(worker: object) -> dict[str, torch.Tensor]:
         for name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{name}" if module_name else name
             kernel = getattr(module, "cpu_linear", None)
-            if name == "weight" and (param.ndim == 2 or param.numel() == 0) and callable(kernel) and kernel is not torch.nn.functional.linear:
+            if (
+                name == "weight"
+                and (param.ndim == 2 or param.numel() == 0)
+                and callable(kernel)
+                and kernel is not torch.nn.functional.linear
+            ):
                 width = module.input_size_per_partition if isinstance(module, LinearBase) else param.shape[1]
                 eye = torch.eye(width, dtype=param.dtype)
                 with torch.no_grad():
@@ -83,7 +86,9 @@ def engine_params(worker: object) -> dict[str, torch.Tensor]:
     return out
 
 
-def tp_shard(full: dict[str, torch.Tensor], rank: int, tp: int, heads: int, kv_heads: int, vocab_rows: int) -> dict[str, torch.Tensor]:
+def tp_shard(
+    full: dict[str, torch.Tensor], rank: int, tp: int, heads: int, kv_heads: int, vocab_rows: int
+) -> dict[str, torch.Tensor]:
     """What TP rank ``rank`` of ``tp`` holds of the fused layout ``full`` (vLLM's Llama):
     column-parallel weights split by output rows (q/k/v by heads, gate/up each in half),
     row-parallel ones by input columns, the vocabulary padded to ``vocab_rows`` then split."""

@@ -41,5 +41,11 @@ def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> list[TensorSp
     return specs
 
 
-_INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool}
+_INT_DTYPES = {
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}

@@ -132,7 +132,9 @@ def unwrap(reply: Reply, who: str, what: str) -> Any:
     """The reply's value, or :class:`RemoteCallError` naming ``who`` and ``what``."""
     if reply.ok:
         return reply.value
-    raise RemoteCallError(f"{who}: {what} failed: {reply.error_type}: {reply.message}", reply.error_type, reply.remote_traceback)
+    raise RemoteCallError(
+        f"{who}: {what} failed: {reply.error_type}: {reply.message}", reply.error_type, reply.remote_traceback
+    )
 
 
 def run_call(call: Callable[[], Any], state: Callable[[], tuple[int | None, str] | None]) -> bytes:

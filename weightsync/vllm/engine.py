@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
+import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.actors import forward_worker_protocol
@@ -99,6 +100,8 @@ class _VLLMWorker:
         self.llm = LLM(**llm_kwargs)
         if expected_specs is None and check_model:
             dtype = self.llm.llm_engine.model_config.dtype
+            if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
+                raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
             expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
         specs = tuple(expected_specs) if expected_specs is not None else None
         self._replies(self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs)),)), "setup")
@@ -124,7 +127,9 @@ class _VLLMWorker:
 
         if self._broken is not None:
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken}); start a new VLLMWorker")
-        future = self._pool.submit(self.llm.collective_rpc, method, self.timeout_s, args, kwargs)
+        future: concurrent.futures.Future[Any] = self._pool.submit(
+            self.llm.collective_rpc, method, self.timeout_s, args, kwargs
+        )
         try:
             return list(future.result(timeout=self.timeout_s + 5.0))
         except concurrent.futures.TimeoutError:
@@ -135,7 +140,9 @@ class _VLLMWorker:
             # A call pending when the engine died fails with a plain error ("cancelled");
             # the engine's own flag says whether that is what happened.
             if not self._engine_dead():
-                raise EngineCallError(f"{self.name}: {method} failed in the engine: {type(exc).__name__}: {exc}") from exc
+                raise EngineCallError(
+                    f"{self.name}: {method} failed in the engine: {type(exc).__name__}: {exc}"
+                ) from exc
             self._broken = f"the engine died during {method} ({type(exc).__name__}: {exc})"
         raise EngineCallError(f"{self.name}: {self._broken}")
 
@@ -195,7 +202,9 @@ class _VLLMWorker:
                 raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
             return self.llm.generate(prompts, sampling_params, use_tqdm=False)
 
-    def collective_rpc(self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Run ``fn(worker, *args, **kwargs)`` on every TP rank (a callable is pickled by
         weightsync, no insecure serialization needed); returns one value per rank. A
         string names a worker method, called through vLLM's RPC as usual."""

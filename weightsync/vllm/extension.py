@@ -159,5 +159,3 @@ class WorkerExtension:
             return rank_info(endpoint)
 
         return run_call(info, lambda: None)
-
-

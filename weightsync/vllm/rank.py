@@ -141,4 +141,3 @@ class RankEndpoint(WorkerMixin):
                 self.end_reload()
 
         return run_call(body, self.receiver_state)
-
