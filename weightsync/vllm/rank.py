@@ -1,0 +1,143 @@
+"""One vLLM worker rank as a weightsync receiver, with vLLM's reload lifecycle around loads.
+
+A :class:`RankEndpoint` lives inside a vLLM worker process (made by the worker extension
+or by the native backend). It is a :class:`~weightsync.actors.WorkerMixin`, so it answers
+every method of the coordinator's protocol, whatever that set is; its sink hands tensors
+to the model's own ``load_weights`` (Hugging Face names in; vLLM fuses and shards).
+
+The reload lifecycle brackets one update: it begins lazily, on the first tensor batch a
+call loads, and ends once the receiver has left ``receiving`` (committed or dirty), so a
+sync split over several calls (receive, then commit) loads inside one bracket, and calls
+that load nothing never touch the model. Call order for one protocol call::
+
+    endpoint.serve(call) -> bytes     # every TP rank at once; rank 0 receives, the others
+                                      # follow over the TP group (see relay.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.actors import WORKER_PROTOCOL, WorkerMixin
+from weightsync.sinks import LoadWeightsSink
+from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
+from weightsync.vllm.relay import Finish, TpRelay
+
+
+class RankEndpoint(WorkerMixin):
+    """``model`` and ``begin``/``end`` are callables so the native backend can retarget
+    them (vLLM's ``set_weight_update_target``) without a new endpoint."""
+
+    def __init__(
+        self,
+        model: Callable[[], torch.nn.Module],
+        device: torch.device,
+        begin: Callable[[], None],
+        end: Callable[[], None],
+        expected_specs: Sequence[TensorSpec] | None,
+        relay: TpRelay | None,
+        name: str,
+    ) -> None:
+        self._model = model
+        self.device = device
+        self._begin, self._end = begin, end
+        self._relay = relay if relay is not None and relay.size > 1 else None
+        self._reloading = False
+        self.loaded = 0  # tensors loaded on this rank, all syncs
+        self.mirrored_state: tuple[int | None, str] | None = None  # a follower's copy of rank 0's
+        self.name = name
+        self.weightsync_sink = LoadWeightsSink(self._load, expected_specs=expected_specs)
+
+    @property
+    def tp_rank(self) -> int:
+        return self._relay.rank if self._relay is not None else 0
+
+    def weightsync_model(self) -> torch.nn.Module:
+        return self._model()
+
+    def weightsync_device(self) -> torch.device:
+        return self.device
+
+    # loading ----------------------------------------------------------------------------
+    def _load(self, weights: Any) -> None:
+        items = list(weights)
+        if self._relay is not None and self.tp_rank == 0:
+            self._relay.send(items)
+        self._load_here(items)
+
+    def _load_here(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._reloading:
+            self._begin()
+            self._reloading = True
+        load = getattr(self._model(), "load_weights", None)
+        if not callable(load):
+            raise WeightSyncError(f"{self.name}: the vLLM model {type(self._model()).__name__} has no load_weights")
+        with torch.no_grad():
+            load(items)
+        self.loaded += len(items)
+
+    def reload_open(self) -> bool:
+        return self._reloading
+
+    def end_reload(self) -> None:
+        if self._reloading:
+            self._reloading = False
+            self._end()
+
+    def receiver_state(self) -> tuple[int | None, str] | None:
+        receiver = getattr(self, "_ws_receiver", None)
+        if receiver is None:
+            return self.mirrored_state
+        return receiver.version, receiver.state.value
+
+    def settles(self) -> bool:
+        state = self.receiver_state()
+        return state is not None and state[1] != WorkerState.RECEIVING.value
+
+    # calls -----------------------------------------------------------------------------
+    def serve(self, call: Call, worker: Any, settle: bool = True) -> bytes:
+        """Run ``call`` on this rank and encode the outcome (never raises).
+
+        A protocol method (``ws_*``) runs on this endpoint, on TP rank 0 only, mirrored
+        onto the other ranks; a callable runs as ``fn(worker, *args, **kwargs)`` on every
+        rank. With ``settle``, the reload bracket ends once the receiver left ``receiving``.
+        """
+        if isinstance(call.target, str):
+            if call.target not in WORKER_PROTOCOL:
+                return encode_reply(
+                    failed_reply(WeightSyncError(f"{self.name}: {call.target!r} is not a weightsync protocol method"))
+                )
+            if self.tp_rank != 0:
+                return self._follow(settle)
+            method = getattr(self, call.target)
+            return self._lead(lambda: method(*call.args, **call.kwargs), settle)
+        fn = call.target
+        return run_call(lambda: fn(worker, *call.args, **call.kwargs), lambda: None)
+
+    def _lead(self, body: Callable[[], Any], settle: bool) -> bytes:
+        out = run_call(body, self.receiver_state)
+        finishing = settle and self._reloading and self.settles()
+        try:
+            if self._relay is not None:
+                self._relay.finish(Finish(finishing, self.receiver_state()))
+            if finishing:
+                self.end_reload()
+        except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
+            return encode_reply(failed_reply(exc, self.receiver_state()))
+        return out
+
+    def _follow(self, settle: bool) -> bytes:
+        assert self._relay is not None
+
+        def body() -> None:
+            assert self._relay is not None
+            finish = self._relay.follow(self._load_here)
+            self.mirrored_state = finish.state
+            if finish.settle and settle:
+                self.end_reload()
+
+        return run_call(body, self.receiver_state)
