@@ -217,8 +217,8 @@ def test_an_engine_that_dies_during_a_sync_gives_a_named_error(engine: Any, trai
     ws = WeightSync(trainer, {"vllm": engine}, timeout_s=60)
     with pytest.raises(SyncError) as err:
         ws.sync(4)
-    assert "vllm" in err.value.failures, err.value
-    assert "EngineCallError" in err.value.failures["vllm"] and "died" in err.value.failures["vllm"]
+    assert err.value.culprits == ["vllm"], err.value
+    assert err.value.outcomes["vllm"].error == "EngineCallError" and "died" in err.value.outcomes["vllm"].message
     with pytest.raises(ray.exceptions.RayTaskError) as again:
         get(engine.generate.remote(vm.PROMPTS))
     assert isinstance(again.value.cause, EngineCallError)
