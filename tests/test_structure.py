@@ -22,6 +22,7 @@ from weightsync.wire import (
     PeerAborted,
     SettingsError,
     Status,
+    StreamTimeout,
     SyncSettings,
     TransferTimeout,
     assign_blame,
@@ -232,3 +233,49 @@ def test_lower_layers_import_no_ray_and_no_module_imports_in_a_cycle() -> None:
 
     cycles = [m for m in graph if m in reach(m) and m != "weightsync"]
     assert not cycles, f"import cycles through {cycles}"
+
+
+def test_a_party_whose_own_device_work_timed_out_is_blamed_not_its_peer() -> None:
+    outcomes = {
+        "trainer": out("trainer", exc=StreamTimeout("trainer: writing into w0 timed out")),
+        "w0": out("w0", exc=PeerAborted("trainer failed", blames=["trainer"])),
+    }
+    assert assign_blame(outcomes) == ["trainer"]
+
+
+class RefusingComm:
+    """Stands in for a group in which rank 1 refuses this sync's agreement."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.agreements: list[bool] = []
+        self.aborted = False
+
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        self.agreements.append(refuse)
+        return [1]
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> object:
+        raise AssertionError("no byte may move after a refused agreement")
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_refused_agreement_names_the_refuser_moves_nothing_and_keeps_the_group() -> None:
+    from weightsync.transport.base import Sources
+    from weightsync.transport.broadcast import BroadcastSender
+    from weightsync.wire import Manifest, SyncCall, TensorSpec
+
+    manifest = Manifest.build([TensorSpec("w", (4,), "float32")], buffer_bytes=256)
+    comm = RefusingComm()
+    half = BroadcastSender(comm, manifest, 5.0, ["trainer", "w1"])
+    with pytest.raises(PeerAborted) as info:
+        half.send(Sources([torch.randn(4)], None), SyncCall(seq=0, version=1), time.monotonic() + 5)
+    assert info.value.blames == ("w1",)
+    half.abort()  # what the sender does next: nothing more to tell, and the group stays
+    assert comm.agreements == [False] and not comm.aborted

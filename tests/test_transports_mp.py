@@ -168,7 +168,7 @@ def test_producer_keeps_in_flight_chunks_intact_and_drains_before_returning(num_
     comm = RecordingComm()
     sender = BroadcastSender(comm, manifest, 30.0, ["trainer", "worker"])
     sources = [t for _, t in WeightSender(model).named_tensors()]
-    sender.send(Sources(sources, None), SyncCall(seq=0, version=1))
+    sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 30.0)
     assert comm.started == len(manifest.chunks)
     assert comm.waited == comm.started, "every broadcast must be waited for before send returns"
     assert comm.torn == 0
@@ -190,7 +190,7 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         t0 = time.monotonic()
         sources = [t for _, t in WeightSender(model).named_tensors()]
         with pytest.raises(TransferTimeout) as info:
-            sender.send(Sources(sources, None), SyncCall(seq=0, version=1))
+            sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 30.0)
         text = str(info.value)
         assert "rank 0" in text and "timeout_s" in text, text
         assert time.monotonic() - t0 < 60  # bounded by the timeout, not a hang

@@ -73,12 +73,12 @@ def _describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
     )
 
 
-def _communicator(spec: GroupSpec, device: torch.device, store: Any = None) -> Any:
+def _communicator(spec: GroupSpec, device: torch.device, members: Sequence[str], store: Any = None) -> Any:
     if spec.backend == "nccl":
         from weightsync.transport.nccl import NcclCommunicator
 
         assert spec.nccl_id is not None
-        return NcclCommunicator(spec.nccl_id, spec.rank, spec.world_size, device, spec.timeout_s)
+        return NcclCommunicator(spec.nccl_id, spec.rank, spec.world_size, device, spec.timeout_s, members)
     return GlooCommunicator(
         spec.store_host,
         spec.store_port,
@@ -134,7 +134,7 @@ class TrainerMixin:
 
     def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
         def join() -> None:
-            comm = _communicator(spec, self.weightsync_device(), self._ws_store)
+            comm = _communicator(spec, self.weightsync_device(), members, self._ws_store)
             self._ws().open_broadcast(comm, members, spec.timeout_s)
 
         return _answer("trainer", "join", join)
@@ -211,7 +211,7 @@ class WorkerMixin:
 
     def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
         def join() -> None:
-            self._wr().open_broadcast(_communicator(spec, self.weightsync_device()), members, spec.timeout_s)
+            self._wr().open_broadcast(_communicator(spec, self.weightsync_device(), members), members, spec.timeout_s)
 
         return _answer(self._me(), "join", join)
 

@@ -194,7 +194,9 @@ class WeightSync:
             if party not in outs or not o.ok:
                 outs[party] = o
         if not all(o.ok for o in outs.values()):
-            self._teardown(abort=True, skip={p for p, o in outs.items() if o.status is not Status.OK})
+            # Parties that failed still answer and close what they opened; only those that
+            # died or gave no answer are not asked again.
+            self._teardown(abort=True, skip={p for p, o in outs.items() if o.status in (Status.DEAD, Status.TIMED_OUT)})
             culprits = assign_blame(outs)
             raise SetupError(_message(f"setup failed {when}", outs, culprits), outs, culprits)
         return outs
@@ -391,22 +393,21 @@ class WeightSync:
             expected: list[int] = trainer.value
             names = self.manifest.names
             mismatches: dict[str, str] = {}
+            lines: list[str] = []
             for w in self._workers.values():
                 o = outs[(w.name, "checksums")]
-                if not o.ok:
-                    mismatches[w.name] = f"could not be checked: {o.line()}"
-                elif o.value is None:
-                    mismatches[w.name] = "could not be checked: it has received nothing yet in this session"
-                else:
-                    differs = [names[i] for i, (a, b) in enumerate(zip(o.value, expected)) if a != b]
-                    if differs:
-                        mismatches[w.name] = differs[0]
+                if not o.ok or o.value is None:
+                    why = o.line() if not o.ok else "it has received nothing yet in this session"
+                    mismatches[w.name] = f"could not be checked: {why}"
+                    lines.append(f"{w.name}: could not be checked: {why}")
+                    continue
+                differs = [names[i] for i, (a, b) in enumerate(zip(o.value, expected)) if a != b]
+                if differs:
+                    mismatches[w.name] = differs[0]
+                    lines.append(f"{w.name}: first differing tensor {differs[0]} ({len(differs)} differ)")
             if mismatches:
-                lines = "\n  ".join(
-                    f"{n}: {m}" if m.startswith("could not") else f"{n}: first differing tensor {m}"
-                    for n, m in sorted(mismatches.items())
-                )
-                raise VerificationError(f"weights differ from the trainer's:\n  {lines}", mismatches)
+                text = "\n  ".join(sorted(lines))
+                raise VerificationError(f"weights differ from the trainer's:\n  {text}", mismatches)
             return hashlib.sha256(",".join(map(str, expected)).encode()).hexdigest()
 
     def status(self) -> dict[str, tuple[int | None, str]]:

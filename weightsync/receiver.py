@@ -94,7 +94,6 @@ class WeightReceiver:
         half = self.half
         if half is None:
             raise WeightSyncError(f"{self.name}: no transport is open; run setup()")
-        before = self.state
         failure: BaseException | None = None
         checksums: list[int] = []
         stale: tuple[str, ...] = ()
@@ -108,9 +107,7 @@ class WeightReceiver:
             if self.state is WorkerState.RECEIVING:
                 self.state = WorkerState.DIRTY
             raise failure
-        if stale:
-            self.state = before
-        elif half.knows_sender_finished:
+        if not stale and half.knows_sender_finished:
             self._commit(call.version)
         return ReceiveResult(
             worker=self.name,

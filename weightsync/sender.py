@@ -24,6 +24,7 @@ from weightsync.sinks import TensorPaths, module_tensors
 from weightsync.transport.base import SendHalf, Sources, shed_traceback
 from weightsync.transport.batched_copy import PlanKey, plan_key
 from weightsync.transport.broadcast import BroadcastSender, Communicator
+from weightsync.transport.control import Deadlines
 from weightsync.transport.direct import DirectWriter
 from weightsync.transport.ipc import IpcSender
 from weightsync.wire.errors import ModelChangedError, WeightSyncError
@@ -58,6 +59,7 @@ class WeightSender:
         self.halves: dict[str, SendHalf] = {}
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
         self._checked_key: PlanKey | None = None  # their layout when last checked
+        self._timeout_s = SyncSettings().timeout_s  # the session's, set with the manifest
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -78,6 +80,7 @@ class WeightSender:
         self.close_transports()
         self._paths = None
         self._checked_key = None
+        self._timeout_s = settings.timeout_s
         self._manifest = Manifest.build(self.specs(), settings.buffer_bytes, settings.num_buffers, settings.alignment)
         return self._manifest
 
@@ -164,13 +167,16 @@ class WeightSender:
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
         failure: BaseException | None = None
+        # One deadline for the whole call, whichever transports it drives: the workers'
+        # and the coordinator's deadlines are counted from the same moment.
+        deadline = Deadlines(self._timeout_s).leader(time.monotonic())
         try:
             sources = self.checked_sources()
             for kind in _ORDER:
                 half = self.halves.get(kind)
                 if half is None or kind not in call.kinds:
                     continue
-                checksums[kind], found = half.send(sources, call)
+                checksums[kind], found = half.send(sources, call, deadline)
                 stale += found
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)

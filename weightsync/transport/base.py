@@ -73,8 +73,9 @@ class SendHalf(abc.ABC):
     kind: ClassVar[str]
 
     @abc.abstractmethod
-    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
-        """Move ``sources`` to every peer of this transport; returns (checksums, stale peers)."""
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
+        """Move ``sources`` to every peer of this transport by ``deadline`` (one for the
+        trainer's whole sync, whatever it drives); returns (checksums, stale peers)."""
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -76,7 +76,8 @@ class _PackedBroadcast:
         self.streams = SlotStreams(comm.device, manifest.num_buffers)
         self._buffers: list[torch.Tensor] = []
         self._in_flight: list[Work] = []
-        self._agreed = False  # this sync's agreement took place (bytes may be in flight)
+        # This sync's agreement: "" (not yet), "asked", "refused" (nothing moved), "moving".
+        self._agreement = ""
         self._broken = False
 
     @property
@@ -92,22 +93,27 @@ class _PackedBroadcast:
         return self._buffers
 
     def _agree(self, deadline: float) -> None:
-        self._agreed = True
+        self._agreement = "asked"
         try:
             refused = self.comm.agree(False, deadline)
         except BaseException:
             self._broken = True
             raise
         if refused:
+            self._agreement = "refused"
             names = [self.members[r] for r in refused]
             raise PeerAborted(f"{self.me}: {', '.join(names)} refused the sync before any byte moved", blames=names)
+        self._agreement = "moving"
 
     def abort(self) -> None:
-        """Before this sync's bytes move: refuse in the agreement (the group survives).
-        After: abort the group, which fails every peer's pending operation at once."""
-        if not self._agreed and not self._broken:
+        """Before this sync's agreement: refuse in it (every rank stops, the group survives).
+        After a refused agreement: nothing moved, nothing to do. After bytes started to move:
+        abort the group, which fails every peer's pending operation at once."""
+        if self._agreement == "refused":
+            return
+        if self._agreement == "" and not self._broken:
+            self._agreement = "refused"
             try:
-                self._agreed = True
                 self.comm.agree(True, self.deadlines.leader(time.monotonic()))
                 return
             except Exception as exc:  # noqa: BLE001 - already failing; the group is aborted below
@@ -130,8 +136,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
 
     kind = "broadcast"
 
-    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
-        deadline = self.deadlines.leader(time.monotonic())
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self._agree(deadline)
         buffers = self.buffers()
         nbuf = self.manifest.num_buffers
@@ -157,7 +162,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
                 last.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
         self._in_flight.clear()
-        self._agreed = False
+        self._agreement = ""
         return checksums, ()
 
     def _timeout_message(self, what: str) -> str:
@@ -206,5 +211,5 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
         self._in_flight.clear()
-        self._agreed = False
+        self._agreement = ""
         return checksums, ()

@@ -32,7 +32,6 @@ from weightsync.wire.messages import ShmHandle
 MAGIC = 0x5753594E43  # "WSYNC"
 _ABORT = 1
 FIRST_FREE_WORD = 2
-NO_ABORT = 0
 TRAINER = 1
 
 

@@ -219,6 +219,13 @@ class DirectWriter(SendHalf):
         previous = self._mapped.get(export.worker)
         if previous is not None and previous.export.session == export.session:
             return
+        offsets, total = self.manifest.region_layout()
+        if export.offsets != offsets or export.region.nbytes < total:
+            raise WeightSyncError(
+                f"{self.name}: {export.worker}'s direct export has {len(export.offsets)} offsets in "
+                f"{export.region.nbytes} bytes, the manifest lays out {len(offsets)} in {total}: an export made "
+                "for another manifest; run setup() again"
+            )
         self._mapped.pop(export.worker, None)
         importer = self.importers.setdefault(export.worker, RegionImporter(f"{self.name}->{export.worker}"))
         importer.release_all()
@@ -232,7 +239,7 @@ class DirectWriter(SendHalf):
         ]
         self._mapped[export.worker] = _Mapped(export, destinations, control)
 
-    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Write ``call.direct``'s workers in turn; returns (checksums, workers found stale)."""
         checksums: list[int] = []
         if call.verify:
@@ -240,10 +247,10 @@ class DirectWriter(SendHalf):
                 checksums = tensor_checksums(
                     [s.to(spec.torch_dtype) for s, spec in zip(sources.tensors, self.manifest.specs)]
                 )
-        stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, checksums))
+        stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, deadline, checksums))
         return checksums, stale
 
-    def write(self, worker: str, sources: Sources, seq: int, checksums: Sequence[int] = ()) -> bool:
+    def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker
         announced it is ready; visible to the worker on return. False (nothing written)
         when the worker announced that its tensors moved since its export."""
@@ -251,7 +258,6 @@ class DirectWriter(SendHalf):
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
         control = mapped.control
-        deadline = self.deadlines.leader(time.monotonic())
         # Everything that does not depend on the worker runs before its announcement is
         # checked: the plan, and ordering the copy stream after the caller's work.
         copier = self._copier
@@ -281,7 +287,7 @@ class DirectWriter(SendHalf):
                     for destination, source in zip(mapped.destinations, tensors):
                         if destination is not None:
                             destination.copy_(source)
-        self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out")
+        self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out", own=True)
         for index, checksum in enumerate(checksums):
             control[_FIRST_CHECKSUM + index] = _signed(checksum)
         control[_WRITTEN] = seq + 1

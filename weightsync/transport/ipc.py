@@ -161,13 +161,13 @@ class IpcSender(SendHalf):
         assert self._export is not None
         checksum = self._enqueue_pack(chunk_index, slot, sources, verify)
         deadline = self.deadlines.leader(time.monotonic())
-        self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out")
+        self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out", own=True)
         nbytes = self.manifest.chunks[chunk_index].nbytes
         return ChunkHandle(
             session=self._export.session, slot=slot, chunk_index=chunk_index, nbytes=nbytes, checksum=checksum
         )
 
-    def send(self, sources: Sources, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Pack every chunk, handing slots over on the control block.
 
         Returns after every consumer took every chunk and this side's copies finished.
@@ -176,7 +176,6 @@ class IpcSender(SendHalf):
         consumers = range(export.num_consumers)
         nbuf = self.manifest.num_buffers
         base = call.seq * len(self.manifest.chunks)
-        deadline = self.deadlines.leader(time.monotonic())
         checksums: list[int] = []
         if control[_PUBLISHED] != base:
             raise WeightSyncError(
@@ -194,7 +193,7 @@ class IpcSender(SendHalf):
                 control[_checksum_word(export.num_consumers, slot)] = _as_word(checksum)
             control[_PUBLISHED] = g + 1
         self._await_acks(base + len(self.manifest.chunks), deadline, 0, "finish the last chunk")
-        self.streams.drain(deadline, f"{self.name}: packing timed out")
+        self.streams.drain(deadline, f"{self.name}: packing timed out", own=True)
         return checksums, ()
 
     def _ctl(self) -> tuple[ControlBlock, IpcExport]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import platform
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ class _StreamOrdered:
 
     def wait(self, deadline: float) -> None:
         if time.monotonic() > deadline:
-            raise TimeoutError("NCCL transfer past its deadline")
+            raise TransferTimeout("NCCL transfer past its deadline; a peer in the group is dead, stuck or too slow")
 
 
 class _PendingInit:
@@ -136,7 +137,16 @@ class NcclCommunicator:
     raises :class:`TransferTimeout` (see the module docstring for what stays behind).
     """
 
-    def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        unique_id: bytes,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        members: Sequence[str] = (),
+    ) -> None:
+        """``members``: the parties' names by rank, so a rank that never joins is blamed by name."""
         nccl = _nccl()
         if not 0 <= rank < world_size:
             raise WeightSyncError(f"NCCL rank {rank} is outside a world of {world_size} ranks")
@@ -172,7 +182,7 @@ class NcclCommunicator:
                 f"not every rank joined (this rank waited for ranks {others}). Check that each of them is alive, "
                 "was given the same unique id, and can reach this host (NCCL_SOCKET_IFNAME); raise timeout_s if "
                 "ranks start slowly. An NCCL thread stays blocked in this process until it exits.",
-                blames=[f"rank {r}" for r in others],
+                blames=[members[r] for r in others] if len(members) == world_size else [],
             )
         self._comm: Any = state.comm
 

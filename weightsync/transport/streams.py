@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from weightsync.wire.errors import TransferTimeout
+from weightsync.wire.errors import StreamTimeout, TransferTimeout
 
 
 @functools.cache
@@ -68,18 +68,18 @@ class SlotStreams:
     def stream_pointer(self, slot: int) -> int:
         return int(self._streams[slot].cuda_stream) if self._streams else 0
 
-    def drain_slot(self, slot: int, deadline: float, on_timeout: str) -> None:
+    def drain_slot(self, slot: int, deadline: float, on_timeout: str, own: bool = False) -> None:
         """Wait, up to ``deadline``, for one slot's queued work only."""
         if self._streams:
-            wait_for_stream(self._streams[slot], deadline, on_timeout)
+            wait_for_stream(self._streams[slot], deadline, on_timeout, own)
 
-    def drain(self, deadline: float, on_timeout: str) -> None:
+    def drain(self, deadline: float, on_timeout: str, own: bool = False) -> None:
         """Wait, up to ``deadline`` (time.monotonic), for every slot's queued work."""
         for stream in self._streams:
-            wait_for_stream(stream, deadline, on_timeout)
+            wait_for_stream(stream, deadline, on_timeout, own)
 
 
-def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str) -> None:
+def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str, own: bool = False) -> None:
     """Synchronize ``stream`` without blocking past ``deadline``.
 
     ``stream.synchronize()`` would wait forever on a collective whose peer died, so the
@@ -93,6 +93,8 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str)
         if polls < 2000:  # a chunk's copy often ends within a few hundred microseconds
             continue
         if time.monotonic() > deadline:
-            raise TransferTimeout(on_timeout)
+            # ``own``: the stream holds only this process's copies, so a late stream is this
+            # party's failure; otherwise (a collective on it) it waits on a peer.
+            raise (StreamTimeout if own else TransferTimeout)(on_timeout)
         time.sleep(delay)
         delay = min(delay * 2, 20e-6)

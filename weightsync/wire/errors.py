@@ -83,6 +83,11 @@ class TransferTimeout(WeightSyncError, TimeoutError):
     consequence = True
 
 
+class StreamTimeout(WeightSyncError, TimeoutError):
+    """This process's own device work (a copy, a pack, an unpack) did not finish in time:
+    a failure of the party that raised it, not a consequence of a peer's."""
+
+
 class PeerAborted(WeightSyncError):
     """Another party of the transfer failed, or its process ended, mid-transfer."""
 

@@ -66,6 +66,10 @@ class GroupSpec:
         _require(
             self.backend != "nccl" or isinstance(self.nccl_id, bytes), "an NCCL group needs the unique id as bytes"
         )
+        _require(
+            isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf"),
+            f"group timeout_s must be finite and positive, got {self.timeout_s!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +118,19 @@ class IpcExport:
     freed_events: tuple[tuple[bytes, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        _require(self.num_slots >= 1 and self.slot_bytes >= 1, "an IPC export needs at least one non-empty slot")
+        _require(
+            _is_int(self.num_slots) and _is_int(self.slot_bytes) and self.num_slots >= 1 and self.slot_bytes >= 1,
+            "an IPC export needs at least one non-empty slot",
+        )
+        _require(
+            not self.packed_events
+            or (
+                len(self.packed_events) == self.num_slots
+                and len(self.freed_events) == len(self.consumer_names)
+                and all(len(row) == self.num_slots for row in self.freed_events)
+            ),
+            "an IPC export's events must be one per slot, and one row per consumer",
+        )
         _require(bool(self.consumer_names), "an IPC export needs at least one consumer")
         _require(
             self.slots.nbytes == self.num_slots * self.slot_bytes,
@@ -136,6 +152,13 @@ class ChunkHandle:
     chunk_index: int
     nbytes: int
     checksum: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            all(_is_int(v) for v in (self.slot, self.chunk_index, self.nbytes)) and self.nbytes >= 0,
+            f"a chunk handle's slot, chunk index and size must be ints, got {self.slot!r}, {self.chunk_index!r}, "
+            f"{self.nbytes!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +197,10 @@ class SyncCall:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
         _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
         _require(set(self.kinds) <= set(TRANSPORTS), f"unknown transports {sorted(set(self.kinds) - set(TRANSPORTS))}")
+        _require(
+            isinstance(self.verify, bool) and isinstance(self.force, bool), "verify and force must be True or False"
+        )
+        _require(not self.direct or "direct" in self.kinds, "a sync that writes direct workers must include 'direct'")
 
 
 @dataclass(frozen=True, kw_only=True)
