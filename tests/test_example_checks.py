@@ -20,7 +20,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what h
     [
         (["examples/colocated_gpu.py"], ("GPU",)),
         (["examples/hf_transformers.py", "--device", "cuda"], ("GPU",)),
-        (["examples/vllm_worker_extension.py"], ("vLLM", "GPU")),
     ],
 )
 def test_an_example_without_what_it_needs_exits_2_naming_it(
