@@ -221,3 +221,43 @@ def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: 
             expected, got = get(trainer.call.remote(state_of)), get(worker.call.remote(state_of))
             for name in expected:
                 assert_bit_equal(got[name], expected[name], name)
+
+
+class MiswritingTrainer(_Trainer):
+    """Fault injection for the test: flip one bit in each worker's first tensor right after
+    the next direct copy, before the trainer reports it written."""
+
+    def miswrite_next(self) -> None:
+        writer = self._ws().direct
+        assert writer is not None
+        original = writer._streams.drain
+
+        def drain(deadline: float, what: str, own: bool = False) -> None:
+            original(deadline, what, own)
+            for mapped in writer._mapped.values():
+                first = next(d for d in mapped.destinations if d is not None)
+                first.reshape(-1).view(torch.uint8)[0] ^= 1
+            writer._streams.drain = original  # type: ignore[method-assign]
+
+        writer._streams.drain = drain  # type: ignore[method-assign]
+
+
+def test_direct_verify_catches_a_bad_write_names_the_tensor_and_the_next_sync_repairs(actors: Any) -> None:
+    trainer = actors.add(
+        ray.remote(MiswritingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0))
+    )
+    (worker,) = pair(actors, 1)[1]
+    ws = WeightSync(trainer, [worker], transport="direct", verify=True, timeout_s=60)
+    assert ws.sync(1).verified
+    get(trainer.miswrite_next.remote())
+    get(trainer.call.remote(perturb, 2))
+    with pytest.raises(SyncError) as info:
+        ws.sync(2)
+    assert info.value.culprits == ["worker-0"]
+    outcome = info.value.outcomes["worker-0"]
+    assert outcome.error == "ChecksumMismatch" and ws.manifest.names[0] in outcome.message  # type: ignore[union-attr]
+    assert info.value.held["worker-0"] == (1, "dirty")
+    get(trainer.call.remote(perturb, 3))
+    assert ws.sync(3).verified
+    assert_workers_match(trainer, [worker])
+    ws.close()
