@@ -24,6 +24,7 @@ from torch import nn
 import weightsync
 from tests.conftest import RAY_TIMEOUT
 from tests.helpers import MixedModel, assert_bit_equal, state_of
+from tests.test_ray_e2e import LoadingMixedModel
 from weightsync import TrainerActor, WorkerActor
 
 TRANSPORTS = ["broadcast", "ipc", "direct"]
@@ -42,7 +43,7 @@ def model(seed: int) -> Callable[[], nn.Module]:
     return functools.partial(MixedModel, seed=seed, big=BIG)
 
 
-class Loading(MixedModel):
+class Loading(LoadingMixedModel):
     """Loads the way engines do (``load_weights``, by name, one copy per tensor), and can be
     armed to fail or die at its ``at``-th call: mid-transfer, some tensors already loaded."""
 
@@ -57,12 +58,7 @@ class Loading(MixedModel):
             if kind == "exit":
                 os._exit(17)
             raise RuntimeError("flaky-load-weights-failure (injected by the test)")
-        own = dict(self.named_parameters()) | dict(self.named_buffers())
-        loaded = set()
-        for name, tensor in weights:
-            own[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return super().load_weights(weights)
 
 
 def loading(seed: int) -> Callable[[], nn.Module]:

@@ -100,10 +100,14 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     additive checksum, computed where the tensors live; it catches corrupted bytes, not a
     reordering of whole 8-byte words.
     """
-    if not tensors:
+    return read_checksums([word_sum(t) for t in tensors])
+
+
+def read_checksums(sums: Sequence[torch.Tensor]) -> list[int]:
+    """Per-tensor :func:`word_sum` results read back to the host in one transfer, as unsigned."""
+    if not sums:
         return []
-    sums = torch.stack([word_sum(t) for t in tensors]).cpu()
-    return [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
+    return [int(v) & 0xFFFFFFFFFFFFFFFF for v in torch.stack(list(sums)).cpu().tolist()]
 
 
 DestinationFn = Callable[[int], "torch.Tensor | None"]

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from weightsync.packing import tensor_checksums, word_sum
+from weightsync.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.transport.base import Landing
 from weightsync.wire.errors import ModelChangedError
 from weightsync.wire.manifest import Manifest, TensorSpec
@@ -212,8 +212,7 @@ class LoadWeightsSink:
     def checksums(self, manifest: Manifest) -> list[int] | None:
         if not self._record or any(spec.name not in self._received for spec in manifest.specs):
             return None
-        sums = torch.stack([self._received[spec.name] for spec in manifest.specs]).cpu()
-        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
+        return read_checksums([self._received[spec.name] for spec in manifest.specs])
 
     def direct_tensors(self, manifest: Manifest) -> None:
         return None
