@@ -27,9 +27,9 @@ from weightsync.actors import _Trainer, trainer_ranks
 from weightsync.ranks import RankSpec
 from weightsync.wire.errors import SettingsError, SetupError, SyncError
 
-# Many small tensors (about 6.4 MB in all, none over 132 KB), so a bucket of 256 KiB is a
+# Many small tensors (about 8.5 MB in all, none over 132 KB), so a bucket of 256 KiB is a
 # small part of the model and the memory bound below means something.
-SHAPE = {"vocab": 64, "dim": 128, "blocks": 24}
+SHAPE = {"vocab": 64, "dim": 128, "blocks": 32}
 BUFFER = 128 * 1024
 
 
@@ -150,10 +150,10 @@ def test_peak_extra_memory_per_rank_is_bounded_by_the_buffers(two: dict[str, Any
         walks = get([r.walk_stats.remote() for r in ranks])
         assert_synced(ranks, workers)
     # Held at once: one bucket of gathered tensors (its all-gather outputs, a little padded),
-    # the bucket's padded local pieces, the broadcast buffers; plus a fixed 5 MiB for what
+    # the bucket's padded local pieces, the broadcast buffers; plus a fixed 6 MiB for what
     # gloo's threads and their malloc arenas touch (measured on rank 0, which serves three
-    # transports: 4.1 MB with this 6.4 MB model, 5.0 MB with a 12.7 MB one; rank 1: 1.7 MB).
-    bound = 2 * BUFFER + 2 * BUFFER + 5 * 1024 * 1024
+    # transports: 4.1-4.6 MB with a 6.4 MB model, 5.0 MB with a 12.7 MB one; rank 1: 1.7-2.7 MB).
+    bound = 2 * BUFFER + 2 * BUFFER + 6 * 1024 * 1024
     for rank, (b, p, (peak_held, gathered)) in enumerate(zip(base, peak, walks)):
         assert gathered > 3, "every walk gathers several buckets"
         assert peak_held <= BUFFER + 64 * 1024, f"rank {rank} held {peak_held} bytes of gathered tensors"
