@@ -47,6 +47,7 @@ _RAY_NAMES = {
     "WorkerActor": "weightsync.actors",
     "TrainerMixin": "weightsync.actors",
     "WorkerMixin": "weightsync.actors",
+    "trainer_ranks": "weightsync.actors",
     "WeightSync": "weightsync.coordinator",
 }
 
@@ -87,6 +88,7 @@ __all__ = [
     "WorkerMixin",
     "WorkerState",
     "__version__",
+    "trainer_ranks",
     "pack_tensors",
     "unpack_tensor",
 ]

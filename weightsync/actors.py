@@ -14,6 +14,14 @@ actor's construction (and setup names the worker)::
 
     trainer = TrainerActor.remote(model_factory, device="cpu", wire_dtype=torch.bfloat16)
     worker = WorkerActor.remote(model_factory, device="cpu", sink="module")
+
+A sharded trainer is a list of rank actors whose models hold DTensors (FSDP2): give each
+rank a :class:`~weightsync.ranks.RankSpec` (``rank=``), so its ``model_factory`` can call
+``torch.distributed.init_process_group()`` and ``fully_shard``; :func:`trainer_ranks`
+starts them all::
+
+    ranks = trainer_ranks(fsdp_factory, world_size=2, wire_dtype=torch.bfloat16)
+    WeightSync(ranks, workers)
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ import ray
 import torch
 from torch import nn
 
+from weightsync.ranks import RankSpec
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
+from weightsync.sharded import ShardedSender, has_dtensors
 from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.transport.gloo import GlooCommunicator, open_store
 from weightsync.wire.errors import SettingsError
@@ -106,8 +116,10 @@ class TrainerMixin:
     def _ws(self) -> WeightSender:
         sender = getattr(self, "_ws_sender", None)
         if sender is None:
-            sender = WeightSender(
-                model=self.weightsync_model(),
+            model = self.weightsync_model()
+            kind = ShardedSender if has_dtensors(model) else WeightSender
+            sender = kind(
+                model=model,
                 device=self.weightsync_device(),
                 wire_dtype=getattr(self, "wire_dtype", None),
             )
@@ -117,8 +129,18 @@ class TrainerMixin:
     def ws_describe(self) -> Outcome:
         return _answer("trainer", "describe", _describe, self.weightsync_device(), True)
 
-    def ws_manifest(self, settings: SyncSettings) -> Outcome:
-        return _answer("trainer", "manifest", self._ws().manifest, settings)
+    def ws_manifest(self, settings: SyncSettings, party: str = "trainer", ranks: Sequence[str] = ()) -> Outcome:
+        """The manifest of the model as it is now; ``party``/``ranks``: this rank's name and
+        every rank's, in rank order (a sharded trainer checks it was given its mesh's order)."""
+
+        def build() -> Manifest:
+            sender = self._ws()
+            if isinstance(sender, ShardedSender):
+                sender.bind(party, ranks)
+            sender.name = party
+            return sender.manifest(settings)
+
+        return _answer(party, "manifest", build)
 
     def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> Outcome:
         def open_it() -> tuple[str, int]:
@@ -292,9 +314,16 @@ def forward_worker_protocol(cls: type) -> type:
 
 
 class _ModelHost:
-    """Shared body of the ready-made actors: builds the model and runs ``call``."""
+    """Shared body of the ready-made actors: builds the model and runs ``call``. With
+    ``rank``, torch's rendezvous variables are set before ``model_factory`` runs."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], device: str = "cpu") -> None:
+    def __init__(
+        self, model_factory: Callable[[], nn.Module], device: str = "cpu", rank: RankSpec | None = None
+    ) -> None:
+        if rank is not None:
+            if not isinstance(rank, RankSpec):
+                raise SettingsError(f"rank must be a RankSpec, got {type(rank).__name__}")
+            os.environ.update(rank.env())
         self.device = _resolve_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -313,12 +342,16 @@ class _ModelHost:
 
 class _Trainer(_ModelHost, TrainerMixin):
     """Holds the policy being trained. ``wire_dtype`` (e.g. torch.bfloat16) casts floating
-    tensors on the wire."""
+    tensors on the wire; ``rank`` makes it one rank of a sharded trainer (see the module doc)."""
 
     def __init__(
-        self, model_factory: Callable[[], nn.Module], device: str = "cpu", wire_dtype: torch.dtype | None = None
+        self,
+        model_factory: Callable[[], nn.Module],
+        device: str = "cpu",
+        wire_dtype: torch.dtype | None = None,
+        rank: RankSpec | None = None,
     ) -> None:
-        super().__init__(model_factory, device)
+        super().__init__(model_factory, device, rank)
         if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
             raise SettingsError(f"wire_dtype must be a floating torch.dtype, got {wire_dtype!r}")
         self.wire_dtype = wire_dtype
@@ -355,3 +388,24 @@ class _Worker(_ModelHost, WorkerMixin):
 # Typed as Any: Ray's stubs do not follow ``.options(...).remote(...)`` to actor handles.
 TrainerActor: Any = ray.remote(_Trainer)
 WorkerActor: Any = ray.remote(_Worker)
+
+
+def trainer_ranks(
+    model_factory: Callable[[], nn.Module],
+    world_size: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    actor_options: dict[str, Any] | None = None,
+    **trainer_options: Any,
+) -> list[Any]:
+    """Start the ``world_size`` ranks of one sharded trainer, in rank order.
+
+    Each is a :class:`TrainerActor` given its :class:`RankSpec`; ``model_factory`` runs in
+    every rank at once and joins the group (``init_process_group("gloo")`` on CPU) before
+    sharding the model. ``master_addr`` must be reachable from every rank (the default
+    loopback address suits ranks on this node); port 0 picks a free one here.
+    """
+    specs = RankSpec.group(world_size, master_addr, master_port)
+    options = actor_options or {}
+    return [TrainerActor.options(**options).remote(model_factory, rank=spec, **trainer_options) for spec in specs]

@@ -22,7 +22,6 @@ them), tears the transports down, and raises :class:`SyncError`. The next sync s
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -34,11 +33,13 @@ from typing import Any
 import ray
 
 from weightsync.calls import gather
-from weightsync.choice import REQUESTS, choose_transport
+from weightsync.checking import compare_checksums
+from weightsync.choice import REQUESTS
 from weightsync.metrics import SyncMetrics
 from weightsync.opening import open_broadcast, open_direct, open_ipc
+from weightsync.ranks import TrainerRanks, identity, reserved
 from weightsync.transport.control import Deadlines
-from weightsync.wire.errors import SettingsError, SetupError, SyncError, VerificationError, VersionError
+from weightsync.wire.errors import SettingsError, SetupError, SyncError, VersionError
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
 from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
@@ -56,21 +57,18 @@ class _Worker:
     requested: str
     transport: str = ""
     info: EndpointInfo | None = None
+    rank: int = 0  # the trainer rank serving it
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or name == "trainer" or "/" in name:
+    if not isinstance(name, str) or not name or reserved(name) or "/" in name:
         raise SettingsError(
-            f"worker name {name!r} cannot be used: names are non-empty strings, not 'trainer', without '/'"
+            f"worker name {name!r} cannot be used: names are non-empty strings, not 'trainer' or "
+            "'trainer-rank-<i>', without '/'"
         )
     if not name.isprintable() or any(c.isspace() for c in name):
         raise SettingsError(f"worker name {name!r} cannot be used: it holds whitespace or control characters")
     return name
-
-
-def _identity(handle: Any) -> object:
-    actor_id = getattr(handle, "_actor_id", None)
-    return actor_id.hex() if actor_id is not None else id(handle)
 
 
 def _message(title: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> str:
@@ -87,6 +85,10 @@ class WeightSync:
     worker name to transport. ``settings`` (or the same fields as keywords, which win) fix
     the buffers, the timeout and per-sync verification; the trainer's copy is sent to every
     worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast.
+
+    ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
+    ``trainer-rank-<i>``, see :mod:`weightsync.ranks`): rank 0 serves the broadcast workers,
+    each colocated worker is served by the rank on its device, or by ``worker_ranks[name]``.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class WeightSync:
         timeout_s: float | None = None,
         verify: bool | None = None,
         backend: str | None = None,
+        worker_ranks: Mapping[str, int] | None = None,
     ) -> None:
         base = settings if settings is not None else SyncSettings()
         if not isinstance(base, SyncSettings):
@@ -112,7 +115,8 @@ class WeightSync:
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
         self.backend = backend
-        self.trainer = trainer
+        self.ranks = TrainerRanks(trainer)
+        self.trainer = self.ranks.handles[0]
         named = dict(workers) if isinstance(workers, Mapping) else {f"worker-{i}": w for i, w in enumerate(workers)}
         if not named:
             raise SettingsError("WeightSync needs at least one worker")
@@ -121,6 +125,7 @@ class WeightSync:
             if unknown:
                 raise SettingsError(f"transport names unknown worker(s) {unknown}; workers: {sorted(named)}")
         self._transport = transport
+        self._worker_ranks = self.ranks.check_map(worker_ranks, list(named))
         self._workers: dict[str, _Worker] = {}
         for name, handle in named.items():
             self._add(name, handle)
@@ -140,11 +145,11 @@ class WeightSync:
         _check_name(name)
         if name in self._workers:
             raise SettingsError(f"a worker named {name!r} is already registered")
-        mine = _identity(handle)
+        mine = identity(handle)
         for other in self._workers.values():
-            if _identity(other.handle) == mine:
+            if identity(other.handle) == mine:
                 raise SettingsError(f"workers {other.name!r} and {name!r} are the same actor; pass each worker once")
-        if _identity(self.trainer) == mine:
+        if mine in self.ranks.ids:
             raise SettingsError(f"worker {name!r} is the trainer's own actor")
         t = self._transport
         requested = t.get(name, "auto") if isinstance(t, Mapping) else t
@@ -176,7 +181,7 @@ class WeightSync:
         return {n: w.transport for n, w in self._workers.items()}
 
     def _handles(self) -> dict[str, Any]:
-        return {"trainer": self.trainer, **self.workers}
+        return {**self.ranks.parties(), **self.workers}
 
     def _gather(self, calls: Calls, timeout_s: float | None = None) -> dict[tuple[str, str], Outcome]:
         return gather(calls, timeout_s or self.deadlines.coordinator_s, self._handles())
@@ -211,27 +216,35 @@ class WeightSync:
         outs = self._step(
             {(p, "describe"): h.ws_describe.remote() for p, h in self._handles().items()}, "describing the parties"
         )
-        trainer: EndpointInfo = outs["trainer"].value
+        ranks = self.ranks
+        infos: list[EndpointInfo] = [outs[r].value for r in ranks.names]
         choices: dict[str, Outcome] = {}
         for w in self._workers.values():
             w.info = outs[w.name].value
             try:
-                w.transport = choose_transport(trainer, w.info, w.requested, w.name)
+                w.rank, w.transport = ranks.choose(w.name, w.info, w.requested, infos, self._worker_ranks)
             except SettingsError as exc:
                 choices[w.name] = failed(w.name, "choose", exc)
         if choices:
             culprits = sorted(choices)
             raise SetupError(_message("setup refused a transport", choices, culprits), choices, culprits)
-        manifest: Manifest = self._step(
-            {("trainer", "manifest"): self.trainer.ws_manifest.remote(self.settings)}, "building the manifest"
-        )["trainer"].value
+        made = self._step(
+            {(r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names) for r, h in ranks.parties().items()},
+            "building the manifest",
+        )
+        manifest: Manifest = made[ranks.lead].value
+        refused = ranks.disagreeing({r: made[r].value for r in ranks.names})
+        if refused:
+            self._teardown(abort=True)
+            culprits = sorted(refused)
+            raise SetupError(_message("setup refused the trainer's ranks", refused, culprits), refused, culprits)
         self._step(
             {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
             "in the handshake, before any byte moved",
         )
-        open_broadcast(self._step, self.trainer, trainer, self._members("broadcast"), self.settings, self.backend)
-        open_ipc(self._step, self.trainer, self._members("ipc"), self.settings)
-        open_direct(self._step, self.trainer, self._members("direct"), self.settings)
+        lead = (ranks.lead, self.trainer)
+        open_broadcast(self._step, lead, infos[0], self._members("broadcast"), self.settings, self.backend)
+        self._open_colocated(("ipc", "direct"), list(self._workers.values()))
         self.manifest = manifest
         self._ready = True
         self._seq = 0
@@ -248,6 +261,14 @@ class WeightSync:
 
     def _members(self, transport: str) -> list[tuple[str, Any]]:
         return [(w.name, w.handle) for w in self._workers.values() if w.transport == transport]
+
+    def _open_colocated(self, kinds: Sequence[str], workers: Sequence[_Worker]) -> None:
+        """Each trainer rank opens ipc, then direct, for the colocated ``workers`` it serves."""
+        for r, party in enumerate(self.ranks.parties().items()):
+            for kind, opener in (("ipc", open_ipc), ("direct", open_direct)):
+                if kind in kinds:
+                    mine = [(w.name, w.handle) for w in workers if w.transport == kind and w.rank == r]
+                    opener(self._step, party, mine, self.settings)
 
     # sync -------------------------------------------------------------------------------
     def sync(self, version: int, verify: bool | None = None, force: bool = False) -> SyncReport:
@@ -298,7 +319,7 @@ class WeightSync:
                 {w.name: results[w.name].stale for w in stale},
             )
             try:
-                open_direct(self._step, self.trainer, [(w.name, w.handle) for w in stale], self.settings)
+                self._open_colocated(("direct",), stale)
             except SetupError as exc:
                 self._fail(exc.outcomes, f"re-exporting the direct targets of version {version}")
             retry = replace(call, direct=tuple(w.name for w in stale), kinds=("direct",))
@@ -329,23 +350,28 @@ class WeightSync:
         )
 
     def _round(self, call: SyncCall, workers: Sequence[_Worker]) -> tuple[SendResult, dict[str, ReceiveResult]]:
-        """One call per party, submitted together (the trainer's first: its checks and first
-        chunk overlap the workers' calls being started), awaited once."""
-        trainer_ref = self.trainer.ws_send.remote(call)
-        calls: Calls = {("trainer", "send"): trainer_ref}
+        """One call per party, submitted together (the trainer's ranks first: their checks and
+        first chunk overlap the workers' calls being started), awaited once. Every rank is
+        told its own workers; rank 0's answer decides the broadcast workers' commits."""
+        lead = self.ranks.lead
+        calls: Calls = {}
+        for r, (rank, handle) in enumerate(self.ranks.parties().items()):
+            mine = {w.name: w.transport for w in workers if w.rank == r}
+            calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
+        trainer_ref = calls[(lead, "send")]
         for w in workers:
             calls[(w.name, "receive")] = w.handle.ws_receive.remote(call)
         for w in workers:
             if w.transport == "broadcast":
                 calls[(w.name, "commit")] = w.handle.ws_commit.remote(call, trainer_ref, calls[(w.name, "receive")])
         outs = self._gather(calls)
-        final = {"trainer": outs[("trainer", "send")]}
+        final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
         for w in workers:
             received = outs[(w.name, "receive")]
             final[w.name] = outs[(w.name, "commit")] if w.transport == "broadcast" and received.ok else received
         if not all(o.ok for o in final.values()):
             self._fail(final, f"during the transfer of version {call.version}")
-        return final["trainer"].value, {w.name: final[w.name].value for w in workers}
+        return final[lead].value, {w.name: final[w.name].value for w in workers}
 
     def _fail(self, outcomes: Mapping[str, Outcome], when: str) -> None:
         """Blame, settle every worker that answered, drop the dead, tear down, raise SyncError."""
@@ -365,7 +391,7 @@ class WeightSync:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
         self._teardown(abort=True, skip=busy)
         lines = _message(f"sync failed {when}", outcomes, culprits)
-        gone = [n for n in dead if n != "trainer"]
+        gone = [n for n in dead if n not in self.ranks.names]
         if gone:
             lines += f"\n  dropped dead worker(s) {', '.join(gone)}; the next sync sets up without them"
         if held:
@@ -385,30 +411,9 @@ class WeightSync:
                 self._setup()
             assert self.manifest is not None
             outs = self._gather({(p, "checksums"): h.ws_checksums.remote() for p, h in self._handles().items()})
-            trainer = outs[("trainer", "checksums")]
-            if not trainer.ok:
-                raise VerificationError(
-                    f"the trainer could not compute its checksums: {trainer.line()}", {"trainer": trainer.message}
-                )
-            expected: list[int] = trainer.value
-            names = self.manifest.names
-            mismatches: dict[str, str] = {}
-            lines: list[str] = []
-            for w in self._workers.values():
-                o = outs[(w.name, "checksums")]
-                if not o.ok or o.value is None:
-                    why = o.line() if not o.ok else "it has received nothing yet in this session"
-                    mismatches[w.name] = f"could not be checked: {why}"
-                    lines.append(f"{w.name}: could not be checked: {why}")
-                    continue
-                differs = [names[i] for i, (a, b) in enumerate(zip(o.value, expected)) if a != b]
-                if differs:
-                    mismatches[w.name] = differs[0]
-                    lines.append(f"{w.name}: first differing tensor {differs[0]} ({len(differs)} differ)")
-            if mismatches:
-                text = "\n  ".join(sorted(lines))
-                raise VerificationError(f"weights differ from the trainer's:\n  {text}", mismatches)
-            return hashlib.sha256(",".join(map(str, expected)).encode()).hexdigest()
+            trainer = [outs[(r, "checksums")] for r in self.ranks.names]
+            workers = {w.name: outs[(w.name, "checksums")] for w in self._workers.values()}
+            return compare_checksums(trainer, workers, self.manifest.names)
 
     def status(self) -> dict[str, tuple[int | None, str]]:
         """Each worker's (version, state)."""

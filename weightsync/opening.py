@@ -22,26 +22,30 @@ from weightsync.wire.settings import SyncSettings
 Calls = dict[tuple[str, str], Any]
 Step = Callable[[Calls, str], Mapping[str, Outcome]]
 Members = Sequence[tuple[str, Any]]
+#: (party name, actor handle) of the trainer, or of the trainer rank serving the members
+Party = tuple[str, Any]
 
 
 def open_broadcast(
-    step: Step, trainer: Any, info: EndpointInfo, members: Members, settings: SyncSettings, backend: str | None
+    step: Step, party: Party, info: EndpointInfo, members: Members, settings: SyncSettings, backend: str | None
 ) -> None:
-    """Form one broadcast group: the trainer is rank 0, ``members`` ranks 1.. in order."""
+    """Form one broadcast group: the trainer (rank 0 of a sharded one) is rank 0, ``members``
+    ranks 1.. in order."""
     if not members:
         return
+    me, trainer = party
     world = len(members) + 1
     chosen = backend or ("nccl" if info.device == "cuda" else "gloo")
     timeout = settings.timeout_s
     host, port = step(
-        {("trainer", "store"): trainer.ws_open_store.remote(world, timeout, info.node_ip)},
+        {(me, "store"): trainer.ws_open_store.remote(world, timeout, info.node_ip)},
         "opening the rendezvous store",
-    )["trainer"].value
+    )[me].value
     nccl_id = None
     if chosen == "nccl":
-        nccl_id = step({("trainer", "nccl id"): trainer.ws_nccl_id.remote()}, "making the NCCL id")["trainer"].value
+        nccl_id = step({(me, "nccl id"): trainer.ws_nccl_id.remote()}, "making the NCCL id")[me].value
     group = f"weightsync-{uuid.uuid4().hex[:8]}"
-    names = ("trainer", *(name for name, _ in members))
+    names = (me, *(name for name, _ in members))
 
     def spec(rank: int) -> GroupSpec:
         return GroupSpec(
@@ -55,39 +59,41 @@ def open_broadcast(
             nccl_id=nccl_id,
         )
 
-    calls: Calls = {("trainer", "join"): trainer.ws_join_broadcast.remote(spec(0), names)}
+    calls: Calls = {(me, "join"): trainer.ws_join_broadcast.remote(spec(0), names)}
     for rank, (name, handle) in enumerate(members, start=1):
         calls[(name, "join")] = handle.ws_join_broadcast.remote(spec(rank), names)
     step(calls, "forming the broadcast group")
 
 
-def open_ipc(step: Step, trainer: Any, members: Members, settings: SyncSettings) -> None:
+def open_ipc(step: Step, party: Party, members: Members, settings: SyncSettings) -> None:
     """One slot export for every IPC worker, attached by each, then sealed."""
     if not members:
         return
+    me, trainer = party
     timeout = settings.timeout_s
     export = step(
-        {("trainer", "export"): trainer.ws_export_ipc.remote([name for name, _ in members], timeout)},
+        {(me, "export"): trainer.ws_export_ipc.remote([name for name, _ in members], timeout)},
         "exporting IPC slots",
-    )["trainer"].value
+    )[me].value
     step(
         {(name, "attach"): handle.ws_attach_ipc.remote(export, i, timeout) for i, (name, handle) in enumerate(members)},
         "attaching IPC slots",
     )
-    step({("trainer", "seal"): trainer.ws_seal_ipc.remote()}, "sealing IPC exports")
+    step({(me, "seal"): trainer.ws_seal_ipc.remote()}, "sealing IPC exports")
 
 
-def open_direct(step: Step, trainer: Any, members: Members, settings: SyncSettings) -> None:
+def open_direct(step: Step, party: Party, members: Members, settings: SyncSettings) -> None:
     """Each worker exports its tensors, the trainer maps the exports, the workers seal."""
     if not members:
         return
+    me, trainer = party
     timeout = settings.timeout_s
     exports = step(
         {(name, "export"): handle.ws_export_direct.remote(timeout) for name, handle in members},
         "exporting direct targets",
     )
     step(
-        {("trainer", f"map {name}"): trainer.ws_map_direct.remote(exports[name].value, timeout) for name, _ in members},
+        {(me, f"map {name}"): trainer.ws_map_direct.remote(exports[name].value, timeout) for name, _ in members},
         "mapping direct targets",
     )
     step({(name, "seal"): handle.ws_seal_direct.remote() for name, handle in members}, "sealing direct exports")

@@ -33,7 +33,7 @@ from weightsync.wire.messages import DirectExport, IpcExport, SendResult, SyncCa
 from weightsync.wire.settings import SyncSettings
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
-_ORDER = ("direct", "ipc", "broadcast")
+ORDER = ("direct", "ipc", "broadcast")
 
 
 @dataclass
@@ -172,7 +172,7 @@ class WeightSender:
         deadline = Deadlines(self._timeout_s).leader(time.monotonic())
         try:
             sources = self.checked_sources()
-            for kind in _ORDER:
+            for kind in ORDER:
                 half = self.halves.get(kind)
                 if half is None or kind not in call.kinds:
                     continue
@@ -181,7 +181,7 @@ class WeightSender:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
-            for kind in _ORDER:
+            for kind in ORDER:
                 if kind in call.kinds and kind in self.halves:
                     self.halves[kind].abort()
             raise failure

@@ -60,11 +60,17 @@ def unpacker_for(manifest: Manifest, landing: Landing) -> ChunkUnpacker:
 
 
 class Sources:
-    """The trainer's tensors for one sync, in manifest order, with their copy-plan key."""
+    """The trainer's tensors for one sync, in manifest order, with their copy-plan key.
 
-    def __init__(self, tensors: Sequence[torch.Tensor], key: object) -> None:
+    ``streamed``: the tensors are made as they are read (a sharded rank gathers them bucket
+    by bucket, :mod:`weightsync.sharded`): read them in manifest order, keep none past its
+    use, and plan nothing on their addresses (``key`` is None).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], key: object, streamed: bool = False) -> None:
         self.tensors = tensors
         self.key = key
+        self.streamed = streamed
 
 
 class SendHalf(abc.ABC):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.packing import tensor_checksums, typed_view
+from weightsync.packing import read_checksums, tensor_checksums, typed_view, word_sum
 from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
 from weightsync.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
@@ -244,8 +244,9 @@ class DirectWriter(SendHalf):
         checksums: list[int] = []
         if call.verify:
             with torch.no_grad():
-                checksums = tensor_checksums(
-                    [s.to(spec.torch_dtype) for s, spec in zip(sources.tensors, self.manifest.specs)]
+                # One cast at a time: streamed sources must not all be alive at once.
+                checksums = read_checksums(
+                    [word_sum(s.to(spec.torch_dtype)) for s, spec in zip(sources.tensors, self.manifest.specs)]
                 )
         stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, deadline, checksums))
         return checksums, stale
@@ -260,7 +261,7 @@ class DirectWriter(SendHalf):
         control = mapped.control
         # Everything that does not depend on the worker runs before its announcement is
         # checked: the plan, and ordering the copy stream after the caller's work.
-        copier = self._copier
+        copier = None if sources.streamed else self._copier
         plan = mapped.plan
         tensors = sources.tensors
         if copier is not None:

@@ -1,0 +1,138 @@
+"""A tiny language model, its FSDP2 (gloo, CPU) rank factory and the rank-side helpers.
+
+The factories are module-level functions bound with ``functools.partial``, so Ray ships
+them by reference (``tests`` is importable in the actors through PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    """Embedding, a few MLP blocks, a head (optionally tied to the embedding), a buffer."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, blocks: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim + 1), nn.GELU(), nn.Linear(2 * dim + 1, dim)) for _ in range(blocks)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x) * self.scale)  # type: ignore[no-any-return]
+
+
+def plain_lm(seed: int = 0, dtype: torch.dtype = torch.float32, **shape: Any) -> nn.Module:
+    torch.set_num_threads(1)
+    torch.manual_seed(seed + 1000)  # different from the trainer's: a sync must change it
+    return TinyLM(**shape).to(dtype)
+
+
+def fsdp_lm(seed: int = 0, mixed: bool = False, **shape: Any) -> nn.Module:
+    """One rank's model: joins the group from the rank's RankSpec, then shards with FSDP2.
+
+    ``mixed`` shards only the blocks: the embedding, norm and head stay plain (replicated).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(seed)
+    model = TinyLM(**shape)
+    for block in model.blocks:
+        fully_shard(block)
+    if not mixed:
+        fully_shard(model)
+    return model
+
+
+def train(model: nn.Module, steps: int, seed: int) -> float:
+    """A few Adam steps on the same random batch on every rank (FSDP reduces the grads)."""
+    opt = getattr(model, "_test_opt", None)
+    if opt is None:
+        opt = model._test_opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        tokens = torch.randint(0, model.embed.num_embeddings, (4, 6), generator=gen)  # type: ignore[union-attr]
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor (``full_tensor()``: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        out = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        return out
+
+
+def kinds(model: nn.Module) -> dict[str, str]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: "dtensor" if isinstance(p, DTensor) else "plain" for n, p in model.named_parameters()}
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def tied(model: nn.Module) -> bool:
+    return model.head.weight is model.embed.weight  # type: ignore[union-attr]
+
+
+def rss_reset() -> int:
+    """Hand free heap memory back (so a new allocation must grow the process), reset its peak
+    resident size (Linux ``clear_refs``); returns the current size."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def rss_peak() -> int:
+    """Peak resident bytes since :func:`rss_reset`."""
+    return _status("VmHWM")
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def add_buffer(model: nn.Module) -> None:
+    model.register_buffer("extra", torch.ones(3))
+
+
+def drop_buffer(model: nn.Module) -> None:
+    del model._buffers["extra"]
+
+
+def cast(model: nn.Module, dtype: torch.dtype) -> None:
+    model.to(dtype)
