@@ -36,12 +36,12 @@ import ray
 from weightsync.calls import gather
 from weightsync.choice import REQUESTS, choose_transport
 from weightsync.metrics import SyncMetrics
-from weightsync.opening import open_broadcast, open_direct, open_ipc
+from weightsync.opening import open_broadcast, open_direct, open_ipc, open_push
 from weightsync.transport.control import Deadlines
 from weightsync.wire.errors import SettingsError, SetupError, SyncError, VerificationError, VersionError
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
-from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
+from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed
 from weightsync.wire.report import SyncReport, WorkerReport
 from weightsync.wire.settings import SyncSettings
 
@@ -73,12 +73,6 @@ def _identity(handle: Any) -> object:
     return actor_id.hex() if actor_id is not None else id(handle)
 
 
-def _message(title: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> str:
-    bad = [o for o in outcomes.values() if not o.ok]
-    bad.sort(key=lambda o: (o.party not in culprits, o.party))
-    return f"{title}; blamed: {', '.join(culprits) or 'nobody'}\n  " + "\n  ".join(o.line() for o in bad)
-
-
 class WeightSync:
     """Moves a trainer actor's weights to worker actors.
 
@@ -86,7 +80,10 @@ class WeightSync:
     else "ipc"; otherwise "broadcast"), one of "broadcast", "ipc", "direct", or a mapping of
     worker name to transport. ``settings`` (or the same fields as keywords, which win) fix
     the buffers, the timeout and per-sync verification; the trainer's copy is sent to every
-    worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast.
+    worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push``
+    (every worker direct): workers listen for syncs instead of taking a Ray call each, so a
+    sync is one call to the trainer, and the trainer may also sync from inside its own
+    methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.push`.
     """
 
     def __init__(
@@ -102,6 +99,7 @@ class WeightSync:
         timeout_s: float | None = None,
         verify: bool | None = None,
         backend: str | None = None,
+        push: bool = False,
     ) -> None:
         base = settings if settings is not None else SyncSettings()
         if not isinstance(base, SyncSettings):
@@ -112,6 +110,9 @@ class WeightSync:
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
         self.backend = backend
+        if not isinstance(push, bool):
+            raise SettingsError(f"push must be True or False, got {push!r}")
+        self.push = push
         self.trainer = trainer
         named = dict(workers) if isinstance(workers, Mapping) else {f"worker-{i}": w for i, w in enumerate(workers)}
         if not named:
@@ -198,7 +199,7 @@ class WeightSync:
             # died or gave no answer are not asked again.
             self._teardown(abort=True, skip={p for p, o in outs.items() if o.status in (Status.DEAD, Status.TIMED_OUT)})
             culprits = assign_blame(outs)
-            raise SetupError(_message(f"setup failed {when}", outs, culprits), outs, culprits)
+            raise SetupError(describe_failure(f"setup failed {when}", outs, culprits), outs, culprits)
         return outs
 
     def _setup(self) -> Manifest:
@@ -219,9 +220,17 @@ class WeightSync:
                 w.transport = choose_transport(trainer, w.info, w.requested, w.name)
             except SettingsError as exc:
                 choices[w.name] = failed(w.name, "choose", exc)
+        if self.push:
+            for w in self._workers.values():
+                if w.transport != "direct" and w.name not in choices:
+                    why = SettingsError(
+                        f"push=True needs every worker on the direct transport; {w.name} would use "
+                        f"{w.transport!r} (its sink or placement rules direct out): drop push or move the worker"
+                    )
+                    choices[w.name] = failed(w.name, "choose", why)
         if choices:
             culprits = sorted(choices)
-            raise SetupError(_message("setup refused a transport", choices, culprits), choices, culprits)
+            raise SetupError(describe_failure("setup refused a transport", choices, culprits), choices, culprits)
         manifest: Manifest = self._step(
             {("trainer", "manifest"): self.trainer.ws_manifest.remote(self.settings)}, "building the manifest"
         )["trainer"].value
@@ -232,6 +241,8 @@ class WeightSync:
         open_broadcast(self._step, self.trainer, trainer, self._members("broadcast"), self.settings, self.backend)
         open_ipc(self._step, self.trainer, self._members("ipc"), self.settings)
         open_direct(self._step, self.trainer, self._members("direct"), self.settings)
+        if self.push:
+            open_push(self._step, self.trainer, self._members("direct"), self.settings)
         self.manifest = manifest
         self._ready = True
         self._seq = 0
@@ -330,7 +341,10 @@ class WeightSync:
 
     def _round(self, call: SyncCall, workers: Sequence[_Worker]) -> tuple[SendResult, dict[str, ReceiveResult]]:
         """One call per party, submitted together (the trainer's first: its checks and first
-        chunk overlap the workers' calls being started), awaited once."""
+        chunk overlap the workers' calls being started), awaited once. In push mode one
+        call, to the trainer, which wakes the listening workers itself."""
+        if self.push:
+            return self._push_round(call)
         trainer_ref = self.trainer.ws_send.remote(call)
         calls: Calls = {("trainer", "send"): trainer_ref}
         for w in workers:
@@ -346,6 +360,23 @@ class WeightSync:
         if not all(o.ok for o in final.values()):
             self._fail(final, f"during the transfer of version {call.version}")
         return final["trainer"].value, {w.name: final[w.name].value for w in workers}
+
+    def _push_round(self, call: SyncCall) -> tuple[SendResult, dict[str, ReceiveResult]]:
+        when = f"during the push of version {call.version}"
+        for attempt in range(2):
+            o = self._gather({("trainer", "push"): self.trainer.ws_push.remote(call)})[("trainer", "push")]
+            if not o.ok:
+                self._fail({"trainer": o}, when)
+            if not o.value.setup_needed or attempt:
+                break
+            self._setup()  # an earlier push from inside the trainer failed
+        result = o.value
+        if result.setup_needed:
+            raise SyncError(f"the trainer still refuses pushes after a new setup {when}", {"trainer": o}, ["trainer"])
+        final = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+        if not all(x.ok for x in final.values()):
+            self._fail(final, when)
+        return result.sent.value, {n: a.outcome.value for n, a in result.workers.items()}
 
     def _fail(self, outcomes: Mapping[str, Outcome], when: str) -> None:
         """Blame, settle every worker that answered, drop the dead, tear down, raise SyncError."""
@@ -364,7 +395,7 @@ class WeightSync:
             else:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
         self._teardown(abort=True, skip=busy)
-        lines = _message(f"sync failed {when}", outcomes, culprits)
+        lines = describe_failure(f"sync failed {when}", outcomes, culprits)
         gone = [n for n in dead if n != "trainer"]
         if gone:
             lines += f"\n  dropped dead worker(s) {', '.join(gone)}; the next sync sets up without them"
