@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from tests.catalogue import kill_and_wait
 from tests.helpers import MixedModel, perturb
@@ -132,3 +133,50 @@ def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) 
 def test_push_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="push"):
         WeightSync(object(), [object()], push="yes")  # type: ignore[arg-type]
+
+
+def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> None:
+    """In one process, no Ray: while code reading the weights holds the receiver's gate, a
+    push cannot write; it times out naming the worker, and the weights stay as they were."""
+    import threading
+
+    from tests.helpers import state_of
+    from weightsync.push import Pusher
+    from weightsync.receiver import WeightReceiver
+    from weightsync.sender import WeightSender
+    from weightsync.wire import SyncSettings
+    from weightsync.wire.messages import SyncCall
+
+    trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
+    sender = WeightSender(model=trainer_model)
+    manifest = sender.manifest(SyncSettings(timeout_s=1.0))
+    receiver = WeightReceiver(worker_model, name="reader")
+    receiver.accept(manifest)
+    sender.map_direct(receiver.export_direct(1.0), 1.0)
+    pusher = Pusher(1.0)
+    pusher.attach([receiver.listen(1.0)])
+    receiver.seal_listen()
+    before = {n: t.clone() for n, t in state_of(worker_model).items()}
+    results: list[PushResult] = []
+    try:
+        with receiver.reading():
+            thread = threading.Thread(
+                target=lambda: results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, direct=("reader",))))
+            )
+            thread.start()
+            thread.join(30)
+            assert not thread.is_alive()
+            after = state_of(worker_model)
+            assert all(torch.equal(after[n], before[n]) for n in before)
+        (result,) = results
+        assert not result.ok
+        assert result.workers["reader"].outcome.status is Status.TIMED_OUT
+        assert result.sent.blames == ("reader",)
+        assert receiver.listener is not None and receiver.listener.join(0) is False  # still serving
+    finally:
+        receiver.close_transports(abort=True)
+        pusher.close()
+        sender.close_transports(abort=True)
+    after = state_of(worker_model)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert receiver.status() == (None, "committed")
