@@ -296,3 +296,33 @@ def test_ipc_worker_killed_with_copies_in_flight_leaves_the_trainer_usable(actor
         assert ws.sync(version).workers[0].version == version
     assert_workers_match(trainer, [healthy])
     ws.close()
+
+
+class PushingGpuTrainer(GpuTrainer):
+    def train_and_push(self, version: int) -> tuple[float, bool]:
+        loss = train_step(self.model, version)
+        return loss, self.weightsync_push(version, verify=version % 2 == 0).ok
+
+
+def test_push_mode_on_a_shared_gpu_from_the_coordinator_and_from_the_trainer(actors: Any) -> None:
+    """Push mode over CUDA IPC: the listener thread receives on the worker's GPU, the
+    trainer's own call pushes, a swapped parameter is re-exported, bytes equal."""
+    opts = {"num_cpus": 0, "num_gpus": 0.5}
+    trainer = actors.add(
+        ray.remote(PushingGpuTrainer).options(**opts).remote(PolicyFactory("30mb", 0, "cuda"), device="cuda")
+    )
+    worker = actors.add(ray.remote(GpuWorker).options(**opts).remote(PolicyFactory("30mb", 1, "cuda"), device="cuda"))
+    with WeightSync(trainer, [worker], transport="direct", push=True, buffer_bytes=4 << 20) as ws:
+        for version in (1, 2):
+            get(trainer.call.remote(train_step, version))
+            ws.sync(version, verify=True)
+            assert_workers_match(trainer, [worker])
+        for version in (3, 4):
+            _, pushed = get(trainer.train_and_push.remote(version))
+            assert pushed
+            assert_workers_match(trainer, [worker])
+        get(worker.swap_parameter_storage.remote())
+        ws.sync(5)
+        assert get(worker.direct_exports.remote()) == 2
+        assert_workers_match(trainer, [worker])
+        assert get(worker.version.remote()) == (5, "committed")

@@ -26,25 +26,28 @@ starts them all::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
 import torch
 from torch import nn
 
+from weightsync.push import Pusher
 from weightsync.ranks import RankSpec
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.sharded import ShardedSender, has_dtensors
 from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.transport.gloo import GlooCommunicator, open_store
-from weightsync.wire.errors import SettingsError
+from weightsync.wire.errors import SettingsError, SyncError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, SyncCall
-from weightsync.wire.outcome import Outcome, failed, ok
+from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, PushExport, PushResult, SyncCall
+from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed, ok
 from weightsync.wire.settings import SyncSettings
 
 
@@ -106,6 +109,7 @@ class TrainerMixin:
     ``weightsync_model``); optionally ``self.device`` and ``self.wire_dtype``."""
 
     _ws_store: Any = None
+    _ws_pusher: Pusher | None = None
 
     def weightsync_model(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined, no-any-return]
@@ -178,8 +182,61 @@ class TrainerMixin:
     def ws_checksums(self) -> Outcome:
         return _answer("trainer", "checksums", self._ws().checksums)
 
+    # push mode ----------------------------------------------------------------------------
+    def ws_arm(self, exports: Sequence[PushExport], timeout_s: float) -> Outcome:
+        def arm() -> None:
+            self._ws_close_pusher()
+            pusher = Pusher(timeout_s)
+            pusher.attach(exports)
+            self._ws_pusher = pusher
+
+        return _answer("trainer", "arm", arm)
+
+    def ws_push(self, call: SyncCall) -> Outcome:
+        """Push mode: one sync of the listening workers (``WeightSync.sync`` calls this)."""
+        return _answer("trainer", "push", self._ws_push, call)
+
+    def _ws_push(self, call: SyncCall) -> PushResult:
+        pusher = self._ws_pusher
+        if pusher is None:
+            raise SettingsError("push needs WeightSync(..., push=True) set up with this trainer first")
+        if not call.direct:
+            call = replace(call, direct=pusher.workers, kinds=("direct",))
+        return pusher.push(self._ws().send, call)
+
+    def weightsync_push(self, version: int, verify: bool = False, force: bool = False) -> PushResult:
+        """Sync ``version`` to every listening worker from inside this actor's own method.
+
+        For a loop that trains and pushes in one call (no Ray call for the sync at all)::
+
+            def train_and_push(self, step):
+                ...optimizer.step()...
+                return self.weightsync_push(version=step)
+
+        Raises :class:`~weightsync.wire.errors.SyncError` naming the culprits when any worker
+        failed; run ``WeightSync.setup()`` from the driver before the next push then.
+        """
+        result = self._ws_push(SyncCall(seq=0, version=version, verify=verify, force=force))
+        if result.setup_needed:
+            raise SettingsError("an earlier push failed: run WeightSync.setup() before pushing again")
+        if not result.ok:
+            outcomes = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+            culprits = assign_blame(outcomes)
+            dead = sorted(n for n, o in outcomes.items() if o.status is Status.DEAD)
+            held = {n: (a.version, a.state) for n, a in result.workers.items() if a.state != "unknown"}
+            title = f"push of version {version} failed"
+            raise SyncError(describe_failure(title, outcomes, culprits), outcomes, culprits, dead, held)
+        return result
+
+    def _ws_close_pusher(self) -> None:
+        pusher = getattr(self, "_ws_pusher", None)
+        self._ws_pusher = None
+        if pusher is not None:
+            pusher.close()
+
     def ws_teardown(self, abort: bool = False) -> Outcome:
         def teardown() -> None:
+            self._ws_close_pusher()
             sender = getattr(self, "_ws_sender", None)
             if sender is not None:
                 sender.close_transports(abort)
@@ -246,6 +303,19 @@ class WorkerMixin:
     def ws_seal_direct(self) -> Outcome:
         target = self._wr().direct
         return _answer(self._me(), "seal", target.seal if target is not None else lambda: None)
+
+    def ws_listen(self, timeout_s: float) -> Outcome:
+        """Push mode: start this direct worker's listener; the trainer attaches its mailbox."""
+        return _answer(self._me(), "listen", self._wr().listen, timeout_s)
+
+    def ws_seal_listen(self) -> Outcome:
+        return _answer(self._me(), "seal", self._wr().seal_listen)
+
+    @contextlib.contextmanager
+    def weightsync_reading(self) -> Iterator[None]:
+        """Hold while reading the weights in push mode: a sync never writes meanwhile."""
+        with self._wr().reading():
+            yield
 
     def ws_receive(self, call: SyncCall) -> Outcome:
         """This worker's side of one sync (every transport); commits unless it is a broadcast."""
@@ -380,6 +450,11 @@ class _Worker(_ModelHost, WorkerMixin):
             self.weightsync_sink = LoadWeightsSink(load)
         elif sink != "module":
             raise SettingsError(f"sink must be 'module' or 'load_weights', got {sink!r}")
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(model, *args, **kwargs)`` here, never while a pushed sync writes the weights."""
+        with self.weightsync_reading():
+            return fn(self.model, *args, **kwargs)
 
     def version(self) -> tuple[int | None, str]:
         return self.ws_status()

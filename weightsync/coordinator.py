@@ -36,13 +36,13 @@ from weightsync.calls import gather
 from weightsync.checking import compare_checksums
 from weightsync.choice import REQUESTS
 from weightsync.metrics import SyncMetrics
-from weightsync.opening import open_broadcast, open_direct, open_ipc
+from weightsync.opening import open_broadcast, open_direct, open_ipc, open_push
 from weightsync.ranks import TrainerRanks, identity, reserved
 from weightsync.transport.control import Deadlines
 from weightsync.wire.errors import SettingsError, SetupError, SyncError, VersionError
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
-from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
+from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed
 from weightsync.wire.report import SyncReport, WorkerReport
 from weightsync.wire.settings import SyncSettings
 
@@ -71,12 +71,6 @@ def _check_name(name: object) -> str:
     return name
 
 
-def _message(title: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> str:
-    bad = [o for o in outcomes.values() if not o.ok]
-    bad.sort(key=lambda o: (o.party not in culprits, o.party))
-    return f"{title}; blamed: {', '.join(culprits) or 'nobody'}\n  " + "\n  ".join(o.line() for o in bad)
-
-
 class WeightSync:
     """Moves a trainer actor's weights to worker actors.
 
@@ -84,7 +78,10 @@ class WeightSync:
     else "ipc"; otherwise "broadcast"), one of "broadcast", "ipc", "direct", or a mapping of
     worker name to transport. ``settings`` (or the same fields as keywords, which win) fix
     the buffers, the timeout and per-sync verification; the trainer's copy is sent to every
-    worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast.
+    worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push``
+    (one trainer, every worker direct): workers listen for syncs instead of taking a Ray
+    call each, so a sync is one call to the trainer, and the trainer may also sync from
+    inside its own methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.push`.
 
     ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
     ``trainer-rank-<i>``, see :mod:`weightsync.ranks`): rank 0 serves the broadcast workers,
@@ -105,6 +102,7 @@ class WeightSync:
         verify: bool | None = None,
         backend: str | None = None,
         worker_ranks: Mapping[str, int] | None = None,
+        push: bool = False,
     ) -> None:
         base = settings if settings is not None else SyncSettings()
         if not isinstance(base, SyncSettings):
@@ -115,7 +113,12 @@ class WeightSync:
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
         self.backend = backend
+        if not isinstance(push, bool):
+            raise SettingsError(f"push must be True or False, got {push!r}")
+        self.push = push
         self.ranks = TrainerRanks(trainer)
+        if push and len(self.ranks.names) > 1:
+            raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
         self.trainer = self.ranks.handles[0]
         named = dict(workers) if isinstance(workers, Mapping) else {f"worker-{i}": w for i, w in enumerate(workers)}
         if not named:
@@ -203,7 +206,7 @@ class WeightSync:
             # died or gave no answer are not asked again.
             self._teardown(abort=True, skip={p for p, o in outs.items() if o.status in (Status.DEAD, Status.TIMED_OUT)})
             culprits = assign_blame(outs)
-            raise SetupError(_message(f"setup failed {when}", outs, culprits), outs, culprits)
+            raise SetupError(describe_failure(f"setup failed {when}", outs, culprits), outs, culprits)
         return outs
 
     def _setup(self) -> Manifest:
@@ -225,9 +228,17 @@ class WeightSync:
                 w.rank, w.transport = ranks.choose(w.name, w.info, w.requested, infos, self._worker_ranks)
             except SettingsError as exc:
                 choices[w.name] = failed(w.name, "choose", exc)
+        if self.push:
+            for w in self._workers.values():
+                if w.transport != "direct" and w.name not in choices:
+                    why = SettingsError(
+                        f"push=True needs every worker on the direct transport; {w.name} would use "
+                        f"{w.transport!r} (its sink or placement rules direct out): drop push or move the worker"
+                    )
+                    choices[w.name] = failed(w.name, "choose", why)
         if choices:
             culprits = sorted(choices)
-            raise SetupError(_message("setup refused a transport", choices, culprits), choices, culprits)
+            raise SetupError(describe_failure("setup refused a transport", choices, culprits), choices, culprits)
         made = self._step(
             {(r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names) for r, h in ranks.parties().items()},
             "building the manifest",
@@ -237,7 +248,7 @@ class WeightSync:
         if refused:
             self._teardown(abort=True)
             culprits = sorted(refused)
-            raise SetupError(_message("setup refused the trainer's ranks", refused, culprits), refused, culprits)
+            raise SetupError(describe_failure("setup refused the trainer's ranks", refused, culprits), refused, culprits)
         self._step(
             {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
             "in the handshake, before any byte moved",
@@ -245,6 +256,8 @@ class WeightSync:
         lead = (ranks.lead, self.trainer)
         open_broadcast(self._step, lead, infos[0], self._members("broadcast"), self.settings, self.backend)
         self._open_colocated(("ipc", "direct"), list(self._workers.values()))
+        if self.push:
+            open_push(self._step, (self.ranks.lead, self.trainer), self._members("direct"), self.settings)
         self.manifest = manifest
         self._ready = True
         self._seq = 0
@@ -352,7 +365,10 @@ class WeightSync:
     def _round(self, call: SyncCall, workers: Sequence[_Worker]) -> tuple[SendResult, dict[str, ReceiveResult]]:
         """One call per party, submitted together (the trainer's ranks first: their checks and
         first chunk overlap the workers' calls being started), awaited once. Every rank is
-        told its own workers; rank 0's answer decides the broadcast workers' commits."""
+        told its own workers; rank 0's answer decides the broadcast workers' commits. In push
+        mode one call, to the trainer, which wakes the listening workers itself."""
+        if self.push:
+            return self._push_round(call)
         lead = self.ranks.lead
         calls: Calls = {}
         for r, (rank, handle) in enumerate(self.ranks.parties().items()):
@@ -373,6 +389,23 @@ class WeightSync:
             self._fail(final, f"during the transfer of version {call.version}")
         return final[lead].value, {w.name: final[w.name].value for w in workers}
 
+    def _push_round(self, call: SyncCall) -> tuple[SendResult, dict[str, ReceiveResult]]:
+        when = f"during the push of version {call.version}"
+        for attempt in range(2):
+            o = self._gather({("trainer", "push"): self.trainer.ws_push.remote(call)})[("trainer", "push")]
+            if not o.ok:
+                self._fail({"trainer": o}, when)
+            if not o.value.setup_needed or attempt:
+                break
+            self._setup()  # an earlier push from inside the trainer failed
+        result = o.value
+        if result.setup_needed:
+            raise SyncError(f"the trainer still refuses pushes after a new setup {when}", {"trainer": o}, ["trainer"])
+        final = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+        if not all(x.ok for x in final.values()):
+            self._fail(final, when)
+        return result.sent.value, {n: a.outcome.value for n, a in result.workers.items()}
+
     def _fail(self, outcomes: Mapping[str, Outcome], when: str) -> None:
         """Blame, settle every worker that answered, drop the dead, tear down, raise SyncError."""
         culprits = assign_blame(outcomes)
@@ -390,7 +423,7 @@ class WeightSync:
             else:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
         self._teardown(abort=True, skip=busy)
-        lines = _message(f"sync failed {when}", outcomes, culprits)
+        lines = describe_failure(f"sync failed {when}", outcomes, culprits)
         gone = [n for n in dead if n not in self.ranks.names]
         if gone:
             lines += f"\n  dropped dead worker(s) {', '.join(gone)}; the next sync sets up without them"

@@ -7,6 +7,7 @@ naming each failure). Call order, from ``WeightSync.setup``::
     open_broadcast   trainer opens the rendezvous store (and the NCCL id); every rank joins
     open_ipc         trainer exports slots; each worker attaches; trainer seals
     open_direct      each worker exports its tensors; trainer maps them; workers seal
+    open_push        push mode: each direct worker starts its listener; trainer attaches; seal
 """
 
 from __future__ import annotations
@@ -97,3 +98,18 @@ def open_direct(step: Step, party: Party, members: Members, settings: SyncSettin
         "mapping direct targets",
     )
     step({(name, "seal"): handle.ws_seal_direct.remote() for name, handle in members}, "sealing direct exports")
+
+
+def open_push(step: Step, trainer: Any, members: Members, settings: SyncSettings) -> None:
+    """Push mode: every direct worker listens, the trainer attaches their mailboxes."""
+    if not members:
+        return
+    timeout = settings.timeout_s
+    exports = step(
+        {(name, "listen"): handle.ws_listen.remote(timeout) for name, handle in members}, "starting the listeners"
+    )
+    step(
+        {("trainer", "arm"): trainer.ws_arm.remote([exports[name].value for name, _ in members], timeout)},
+        "attaching the listeners' mailboxes",
+    )
+    step({(name, "seal"): handle.ws_seal_listen.remote() for name, handle in members}, "sealing the mailboxes")

@@ -14,20 +14,23 @@ Ray. One session::
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from weightsync.listener import Listener
 from weightsync.sinks import ModuleSink, Sink
 from weightsync.transport.base import ReceiveHalf, shed_traceback
 from weightsync.transport.broadcast import BroadcastReceiver, Communicator
+from weightsync.transport.control import Deadlines
 from weightsync.transport.direct import DirectTarget
 from weightsync.transport.ipc import IpcReceiver
 from weightsync.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import DirectExport, IpcExport, ReceiveResult, SyncCall
+from weightsync.wire.messages import DirectExport, IpcExport, PushExport, ReceiveResult, SyncCall
 from weightsync.wire.outcome import Outcome
 
 
@@ -57,6 +60,11 @@ class WeightReceiver:
         self.state = WorkerState.COMMITTED
         self.half: ReceiveHalf | None = None
         self._closed_imports = [0, 0]
+        #: Held while a sync writes this worker's weights from a listener thread (push
+        #: mode), and by code reading them; see :meth:`reading`.
+        self.gate = threading.RLock()
+        self.listener: Listener | None = None
+        self._timeout_s = 60.0
 
     def accept(self, manifest: Manifest) -> None:
         """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing."""
@@ -201,12 +209,44 @@ class WeightReceiver:
                 f"{self.name}: its sink ({type(self.sink).__name__}) transforms tensors on load "
                 "and cannot take direct writes; use transport='ipc' for this worker"
             )
-        target = self.direct
-        if target is None:
-            self.close_transports()
-            target = DirectTarget(manifest, self.device, self.name, timeout_s)
-            self.half = target
-        return target.export(tensors, self.sink.rebind)
+        with self.gate:
+            target = self.direct
+            if target is None:
+                self.close_transports()
+                target = DirectTarget(manifest, self.device, self.name, timeout_s)
+                self.half = target
+            return target.export(tensors, self.sink.rebind)
+
+    def listen(self, timeout_s: float) -> PushExport:
+        """Push mode: start the listener that runs this direct worker's receive when the
+        trainer rings (no Ray call per sync); returns what the trainer attaches."""
+        if self.direct is None:
+            raise WeightSyncError(
+                f"{self.name}: push mode needs the direct transport, this worker has "
+                f"{self.half.kind if self.half is not None else 'none'}; use transport='direct' or push=False"
+            )
+        self._stop_listener()
+        self._timeout_s = timeout_s
+        self.listener = Listener(self.name, self.device, self.receive, self.status, self.gate)
+        return self.listener.export()
+
+    def seal_listen(self) -> None:
+        if self.listener is not None:
+            self.listener.seal()
+
+    def reading(self) -> threading.RLock:
+        """Hold this (``with receiver.reading():``) while reading the weights: a pushed sync
+        waits for the holder, and nobody reads while a sync writes."""
+        return self.gate
+
+    def _stop_listener(self) -> bool:
+        listener, self.listener = self.listener, None
+        if listener is None:
+            return True
+        listener.stop()
+        if listener.busy and self.half is not None:
+            self.half.abort()  # a sync in flight stops at once instead of at its deadline
+        return listener.close(Deadlines(self._timeout_s).coordinator_s)
 
     def ipc_import_counts(self) -> tuple[int, int]:
         """(mappings made, mappings released) by this worker's IPC importers, all sessions."""
@@ -217,6 +257,10 @@ class WeightReceiver:
         return maps, releases
 
     def close_transports(self, abort: bool = False) -> None:
+        if not self._stop_listener():
+            # Its thread still runs inside receive(): leave it the mappings it reads.
+            self.half = None
+            return
         half, self.half = self.half, None
         if half is None:
             return

@@ -151,6 +151,8 @@ class Bench:
             if transport not in args.transports:
                 continue
             sync_case(f"weightsync {transport}", transport, first, 2, copy_s, workers[:1])
+        if "direct" in args.transports:
+            self.push_cases(size, trainer, workers[0], nbytes, copy_s)
         if "ipc" in args.transports and not args.quick:
             for buffer_mib in args.buffer_mib:
                 for nbuf in (1, 2, 3):
@@ -193,6 +195,34 @@ class Bench:
                 lambda: object_store(),
                 parties,
             )
+
+    def push_cases(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
+        """Direct in push mode: ``sync()`` as one Ray call (to the trainer), and a push from
+        inside the trainer's own call (timed there: no Ray call for the sync at all)."""
+        from weightsync.coordinator import WeightSync
+
+        base = self.memory_base([trainer, worker])
+        ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout)
+        ws.setup()
+        version = [10**9]
+
+        def by_sync() -> float:
+            version[0] += 1
+            return ws.sync(version[0]).seconds
+
+        def in_trainer() -> float:
+            version[0] += 1
+            return float(self.get(trainer.push_seconds.remote(version[0])))
+
+        self.timed(
+            Case(size, "weightsync direct push, 1 Ray call", nbytes, limit_s=copy_s), by_sync, [trainer, worker], base
+        )
+        self.timed(
+            Case(size, "weightsync direct push, in trainer", nbytes, limit_s=copy_s, note="timed in the trainer"),
+            in_trainer,
+            [trainer, worker],
+        )
+        ws.close()
 
     def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int) -> None:
         """The hand-off floor: a colocated sync's shape (one call per side, started

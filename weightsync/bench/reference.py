@@ -8,6 +8,7 @@ those two calls on top of the ready-made ones, through the per-chunk IPC API
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -24,6 +25,13 @@ class ChunkTrainer(_Trainer):
         if sender.ipc is None:
             raise WeightSyncError("trainer: no IPC export is open; set up an ipc WeightSync first")
         return sender.ipc.pack(chunk_index, slot, sender.checked_sources().tensors)
+
+    def push_seconds(self, version: int) -> float:
+        """A push from inside this actor's own call (push mode), timed here: what a loop that
+        trains and pushes in one call pays for the sync."""
+        start = time.perf_counter()
+        self.weightsync_push(version)
+        return time.perf_counter() - start
 
 
 class ChunkWorker(_Worker):

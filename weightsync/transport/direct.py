@@ -41,7 +41,7 @@ from weightsync.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
 from weightsync.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
 from weightsync.transport.regions import Region, RegionImporter, make_region
 from weightsync.transport.streams import SlotStreams
-from weightsync.wire.errors import ChecksumMismatch, ManifestError, WeightSyncError
+from weightsync.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import DirectExport, SyncCall
 
@@ -138,6 +138,9 @@ class DirectTarget(ReceiveHalf):
         if moved:
             control[_ANNOUNCED] = -(call.seq + 1)
             return [], tuple(moved)
+        if control.aborted_by:
+            # The trainer gave up before this side got here (a late worker): nothing written.
+            raise PeerAborted(f"{self.name}: the trainer already abandoned sync {call.seq}", blames=["trainer"])
         begin()
         control[_ANNOUNCED] = call.seq + 1
         control.wait(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.wire.errors import WeightSyncError
+from weightsync.wire.outcome import Outcome
 
 TRANSPORTS = ("broadcast", "ipc", "direct")
 
@@ -223,3 +224,45 @@ class ReceiveResult:
     seconds: float = 0.0
     #: Direct transport: tensors whose storage moved since the export (nothing written).
     stale: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushExport:
+    """A listening direct worker's mailbox and doorbell (push mode: see transport/mailbox.py)."""
+
+    worker: str
+    mailbox: ShmHandle
+    doorbell: str
+    pid: int
+
+    def __post_init__(self) -> None:
+        _require(bool(self.worker) and bool(self.doorbell), "a push export names its worker and its doorbell")
+        _require(_is_int(self.pid) and self.pid > 0, f"a push export's pid must be a positive int, got {self.pid!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushAnswer:
+    """A listening worker's answer to one pushed sync: its outcome and what it holds after."""
+
+    outcome: Outcome
+    version: int | None
+    state: str
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.outcome, Outcome), f"a push answer carries an Outcome, got {self.outcome!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushResult:
+    """The trainer's answer to a pushed sync: its own send and each listening worker's answer."""
+
+    version: int
+    sent: Outcome
+    workers: dict[str, PushAnswer]
+    seconds: float = 0.0
+    #: Nothing ran: an earlier push failed, so the transports must be set up again first.
+    setup_needed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.sent.ok and all(a.outcome.ok for a in self.workers.values())

@@ -11,7 +11,7 @@ a call that gave no answer in time) and decides teardown and blame with
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,3 +105,11 @@ def assign_blame(outcomes: Mapping[str, Outcome]) -> list[str]:
     for party in bad:
         culprits |= roots(party, frozenset())
     return sorted(culprits) or bad
+
+
+def describe_failure(title: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> str:
+    """A failure's message: the title, whom it blames, then one line per failing party
+    (the culprits first)."""
+    bad = [o for o in outcomes.values() if not o.ok]
+    bad.sort(key=lambda o: (o.party not in culprits, o.party))
+    return f"{title}; blamed: {', '.join(culprits) or 'nobody'}\n  " + "\n  ".join(o.line() for o in bad)

@@ -1,0 +1,182 @@
+"""Push mode: direct workers listen, so a sync is one Ray call to the trainer, or none.
+
+The same checks, state machine and failures-as-data as a Ray-called direct sync, with the
+worker's side run by its listener thread (weightsync/listener.py) and the trainer's by
+weightsync/push.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from tests.catalogue import kill_and_wait
+from tests.helpers import MixedModel, perturb
+from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
+from weightsync import SetupError, Status, SyncError, WeightSync
+from weightsync.actors import _Trainer, _Worker
+from weightsync.wire.messages import PushResult
+
+
+class PushingTrainer(_Trainer):
+    def train_and_push(self, step: int, force: bool = False) -> PushResult:
+        """One "training step" (new random weights) and the push, in one call."""
+        perturb(self.model, seed=100 + step)
+        return self.weightsync_push(version=step, force=force)
+
+    def perturb(self, seed: int) -> None:
+        perturb(self.model, seed=seed)
+
+
+def parties(actors: Any, n: int = 2, sink: str = "module") -> tuple[Any, list[Any]]:
+    trainer = actors.add(ray.remote(PushingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
+    workers = [
+        actors.add(ray.remote(_Worker).options(num_cpus=0).remote(functools.partial(MixedModel, seed=i + 1), sink=sink))
+        for i in range(n)
+    ]
+    return trainer, workers
+
+
+def test_push_syncs_are_bit_exact_from_the_coordinator_and_from_inside_the_trainer(actors: Any) -> None:
+    trainer, workers = parties(actors)
+    with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=30) as ws:
+        for step in range(3):
+            get(trainer.perturb.remote(step))
+            report = ws.sync(version=step, verify=step == 1)
+            assert report.transports == {"direct": 2}
+            assert_workers_match(trainer, workers)
+            assert [get(w.version.remote()) for w in workers] == [(step, "committed")] * 2
+        for step in range(3, 6):
+            result = get(trainer.train_and_push.remote(step))
+            assert result.ok and sorted(result.workers) == ["worker-0", "worker-1"]
+            assert {a.version for a in result.workers.values()} == {step}
+            assert_workers_match(trainer, workers)
+        assert ws.status() == {"worker-0": (5, "committed"), "worker-1": (5, "committed")}
+        ws.verify()
+        # The coordinator's own sync after pushes from the trainer continues the sequence.
+        get(trainer.perturb.remote(99))
+        ws.sync(version=6)
+        assert_workers_match(trainer, workers)
+
+
+def test_a_refused_push_names_the_worker_and_the_next_sync_sets_up_again(actors: Any) -> None:
+    trainer, workers = parties(actors)
+    with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=30) as ws:
+        ws.sync(version=5)
+        with pytest.raises(SyncError) as failure:
+            get(trainer.train_and_push.remote(3))  # older than what the workers hold
+        assert failure.value.culprits == ["worker-0", "worker-1"]
+        assert all(failure.value.outcomes[w].error == "VersionError" for w in ("worker-0", "worker-1"))
+        assert failure.value.held == {"worker-0": (5, "committed"), "worker-1": (5, "committed")}
+        with pytest.raises(ray.exceptions.RayTaskError, match="setup"):
+            get(trainer.train_and_push.remote(6))
+        # The coordinator notices the failed session and sets up again by itself.
+        get(trainer.perturb.remote(7))
+        ws.sync(version=7)
+        assert_workers_match(trainer, workers)
+        assert ws.status() == {"worker-0": (7, "committed"), "worker-1": (7, "committed")}
+
+
+def test_a_push_to_a_killed_worker_names_it_dead_and_the_others_go_on(actors: Any) -> None:
+    trainer, workers = parties(actors)
+    with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=30) as ws:
+        ws.sync(version=1)
+        kill_and_wait(get(workers[1].pid.remote()))
+        get(trainer.perturb.remote(2))
+        with pytest.raises(SyncError) as failure:
+            ws.sync(version=2)
+        assert failure.value.dead == ["worker-1"]
+        assert "worker-1" in failure.value.culprits
+        assert failure.value.outcomes["worker-1"].status is Status.DEAD
+        ws.sync(version=3)
+        assert_workers_match(trainer, workers[:1])
+
+
+def test_a_frozen_listening_worker_is_named_timed_out(actors: Any) -> None:
+    trainer, workers = parties(actors, n=1)
+    pid = get(workers[0].pid.remote())
+    with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=3) as ws:
+        ws.sync(version=1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SyncError) as failure:
+                ws.sync(version=2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert failure.value.culprits == ["worker-0"]
+        assert failure.value.outcomes["worker-0"].status is Status.TIMED_OUT
+        ws.sync(version=3)
+        assert_workers_match(trainer, workers)
+
+
+def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) -> None:
+    trainer, workers = parties(actors, n=2)
+    loader = actors.add(
+        ray.remote(_Worker)
+        .options(num_cpus=0)
+        .remote(functools.partial(LoadingMixedModel, seed=5), sink="load_weights")
+    )
+    ws = WeightSync(trainer, {"fine": workers[0], "loader": loader}, push=True, timeout_s=30)
+    with pytest.raises(SetupError) as failure:
+        ws.setup()
+    assert failure.value.culprits == ["loader"]
+    assert "direct" in str(failure.value)
+    ws.close()
+
+
+def test_push_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="push"):
+        WeightSync(object(), [object()], push="yes")  # type: ignore[arg-type]
+
+
+def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> None:
+    """In one process, no Ray: while code reading the weights holds the receiver's gate, a
+    push cannot write; it times out naming the worker, and the weights stay as they were."""
+    import threading
+
+    from tests.helpers import state_of
+    from weightsync.push import Pusher
+    from weightsync.receiver import WeightReceiver
+    from weightsync.sender import WeightSender
+    from weightsync.wire import SyncSettings
+    from weightsync.wire.messages import SyncCall
+
+    trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
+    sender = WeightSender(model=trainer_model)
+    manifest = sender.manifest(SyncSettings(timeout_s=1.0))
+    receiver = WeightReceiver(worker_model, name="reader")
+    receiver.accept(manifest)
+    sender.map_direct(receiver.export_direct(1.0), 1.0)
+    pusher = Pusher(1.0)
+    pusher.attach([receiver.listen(1.0)])
+    receiver.seal_listen()
+    before = {n: t.clone() for n, t in state_of(worker_model).items()}
+    results: list[PushResult] = []
+    try:
+        with receiver.reading():
+            thread = threading.Thread(
+                target=lambda: results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, direct=("reader",))))
+            )
+            thread.start()
+            thread.join(30)
+            assert not thread.is_alive()
+            after = state_of(worker_model)
+            assert all(torch.equal(after[n], before[n]) for n in before)
+        (result,) = results
+        assert not result.ok
+        assert result.workers["reader"].outcome.status is Status.TIMED_OUT
+        assert result.sent.blames == ("reader",)
+        assert receiver.listener is not None and receiver.listener.join(0) is False  # still serving
+    finally:
+        receiver.close_transports(abort=True)
+        pusher.close()
+        sender.close_transports(abort=True)
+    after = state_of(worker_model)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert receiver.status() == (None, "committed")
