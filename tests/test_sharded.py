@@ -150,16 +150,19 @@ def test_peak_extra_memory_per_rank_is_bounded_by_the_buffers(two: dict[str, Any
         walks = get([r.walk_stats.remote() for r in ranks])
         assert_synced(ranks, workers)
     # Held at once: one bucket of gathered tensors (its all-gather outputs, a little padded),
-    # the bucket's padded local pieces, the broadcast buffers; plus a fixed 6 MiB for what
-    # gloo's threads and their malloc arenas touch (measured on rank 0, which serves three
-    # transports: 4.1-4.6 MB with a 6.4 MB model, 5.0 MB with a 12.7 MB one; rank 1: 1.7-2.7 MB).
-    bound = 2 * BUFFER + 2 * BUFFER + 6 * 1024 * 1024
+    # the bucket's padded local pieces, the broadcast buffers. The rank's own count of the
+    # gathered bytes it holds is exact, and bounds what a whole-model gather would break.
+    # The resident size also carries what gloo's threads and their malloc arenas touch (on
+    # rank 0, which serves three transports: 4.1-4.6 MB with a 6.4 MB model, 5.0 MB with a
+    # 12.7 MB one, up to 7.5 MB on a loaded 2-core machine; rank 1: 1.7-2.7 MB), so its
+    # bound is looser: it catches a gathered copy of the model (8.1 MiB, plus the arenas) held
+    # on top, not a bucket too many.
+    bound = 2 * BUFFER + 2 * BUFFER + 8 * 1024 * 1024
     for rank, (b, p, (peak_held, gathered)) in enumerate(zip(base, peak, walks)):
         assert gathered > 3, "every walk gathers several buckets"
-        assert peak_held <= BUFFER + 64 * 1024, f"rank {rank} held {peak_held} bytes of gathered tensors"
+        assert peak_held <= BUFFER + 64 * 1024 < model_bytes, f"rank {rank} held {peak_held} bytes of gathered tensors"
         print(f"rank {rank}: peak extra {p - b} bytes, gathered held {peak_held}, bound {bound}, model {model_bytes}")
         assert p - b <= bound, f"rank {rank}: {p - b} bytes over its resident size, bound {bound}"
-    assert bound < model_bytes  # a whole-model gather (the model's bytes on top) could not pass
 
 
 def test_bad_rank_layouts_are_refused_naming_the_rank_or_worker(two: dict[str, Any]) -> None:

@@ -392,16 +392,17 @@ class WeightSync:
     def _push_round(self, call: SyncCall) -> tuple[SendResult, dict[str, ReceiveResult]]:
         when = f"during the push of version {call.version}"
         for attempt in range(2):
-            o = self._gather({("trainer", "push"): self.trainer.ws_push.remote(call)})[("trainer", "push")]
+            lead = self.ranks.lead
+            o = self._gather({(lead, "push"): self.trainer.ws_push.remote(call)})[(lead, "push")]
             if not o.ok:
-                self._fail({"trainer": o}, when)
+                self._fail({lead: o}, when)
             if not o.value.setup_needed or attempt:
                 break
             self._setup()  # an earlier push from inside the trainer failed
         result = o.value
         if result.setup_needed:
-            raise SyncError(f"the trainer still refuses pushes after a new setup {when}", {"trainer": o}, ["trainer"])
-        final = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+            raise SyncError(f"the trainer still refuses pushes after a new setup {when}", {lead: o}, [lead])
+        final = {lead: result.sent, **{n: a.outcome for n, a in result.workers.items()}}
         if not all(x.ok for x in final.values()):
             self._fail(final, when)
         return result.sent.value, {n: a.outcome.value for n, a in result.workers.items()}
