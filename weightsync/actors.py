@@ -36,6 +36,7 @@ from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, SyncCall
 from weightsync.wire.outcome import Outcome, failed, ok
 from weightsync.wire.settings import SyncSettings
+from weightsync.wire.sizing import BufferHints, free_memory_bytes
 
 
 def _answer(party: str, phase: str, fn: Callable[..., Any], *args: Any) -> Outcome:
@@ -70,6 +71,7 @@ def _describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
         device=device.type,
         gpu_uuid=uuid,
         sink_allows_direct=allows_direct,
+        free_bytes=free_memory_bytes(device),
     )
 
 
@@ -117,8 +119,8 @@ class TrainerMixin:
     def ws_describe(self) -> Outcome:
         return _answer("trainer", "describe", _describe, self.weightsync_device(), True)
 
-    def ws_manifest(self, settings: SyncSettings) -> Outcome:
-        return _answer("trainer", "manifest", self._ws().manifest, settings)
+    def ws_manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Outcome:
+        return _answer("trainer", "manifest", self._ws().manifest, settings, hints)
 
     def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> Outcome:
         def open_it() -> tuple[str, int]:
@@ -169,7 +171,8 @@ class TrainerMixin:
 class WorkerMixin:
     """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
     ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way, and
-    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers``."""
+    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers`` /
+    ``self.expect_inplace_bytes``."""
 
     def weightsync_model(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined, no-any-return]
@@ -187,6 +190,7 @@ class WorkerMixin:
                 "worker",
                 getattr(self, "expect_buffer_bytes", None),
                 getattr(self, "expect_num_buffers", None),
+                getattr(self, "expect_inplace_bytes", None),
             )
             self._ws_receiver = receiver
         return receiver
@@ -336,10 +340,12 @@ class _Worker(_ModelHost, WorkerMixin):
         sink: str = "module",
         expect_buffer_bytes: int | None = None,
         expect_num_buffers: int | None = None,
+        expect_inplace_bytes: int | None = None,
     ) -> None:
         super().__init__(model_factory, device)
         self.expect_buffer_bytes = expect_buffer_bytes
         self.expect_num_buffers = expect_num_buffers
+        self.expect_inplace_bytes = expect_inplace_bytes
         if sink == "load_weights":
             load = getattr(self.model, "load_weights", None)
             if load is None:

@@ -43,7 +43,8 @@ from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
 from weightsync.wire.outcome import Outcome, Status, assign_blame, failed
 from weightsync.wire.report import SyncReport, WorkerReport
-from weightsync.wire.settings import SyncSettings
+from weightsync.wire.settings import BufferBytes, SyncSettings
+from weightsync.wire.sizing import BufferHints
 
 log = logging.getLogger("weightsync")
 Calls = dict[tuple[str, str], Any]
@@ -96,8 +97,9 @@ class WeightSync:
         transport: str | Mapping[str, str] = "auto",
         *,
         settings: SyncSettings | None = None,
-        buffer_bytes: int | None = None,
+        buffer_bytes: BufferBytes | None = None,
         num_buffers: int | None = None,
+        inplace_bytes: int | None = None,
         alignment: int | None = None,
         timeout_s: float | None = None,
         verify: bool | None = None,
@@ -107,7 +109,12 @@ class WeightSync:
         if not isinstance(base, SyncSettings):
             raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
         self.settings = base.with_overrides(
-            buffer_bytes=buffer_bytes, num_buffers=num_buffers, alignment=alignment, timeout_s=timeout_s, verify=verify
+            buffer_bytes=buffer_bytes,
+            num_buffers=num_buffers,
+            inplace_bytes=inplace_bytes,
+            alignment=alignment,
+            timeout_s=timeout_s,
+            verify=verify,
         )
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
@@ -223,7 +230,8 @@ class WeightSync:
             culprits = sorted(choices)
             raise SetupError(_message("setup refused a transport", choices, culprits), choices, culprits)
         manifest: Manifest = self._step(
-            {("trainer", "manifest"): self.trainer.ws_manifest.remote(self.settings)}, "building the manifest"
+            {("trainer", "manifest"): self.trainer.ws_manifest.remote(self.settings, self._hints(trainer))},
+            "building the manifest",
         )["trainer"].value
         self._step(
             {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
@@ -245,6 +253,12 @@ class WeightSync:
             manifest.buffer_bytes,
         )
         return manifest
+
+    def _hints(self, trainer: EndpointInfo) -> BufferHints:
+        infos = [trainer, *(w.info for w in self._workers.values() if w.info is not None)]
+        return BufferHints(
+            device=trainer.device, free_bytes=tuple(i.free_bytes for i in infos if i.free_bytes is not None)
+        )
 
     def _members(self, transport: str) -> list[tuple[str, Any]]:
         return [(w.name, w.handle) for w in self._workers.values() if w.transport == transport]
@@ -319,7 +333,8 @@ class WeightSync:
         return SyncReport(
             version=version,
             bytes=total,
-            chunks=len(self.manifest.chunks),
+            chunks=len(self.manifest.broadcast_chunks if "broadcast" in counts else self.manifest.chunks),
+            inplace=self.manifest.inplace_count if "broadcast" in counts else 0,
             seconds=seconds,
             gbps=total / seconds / 1e9 if seconds > 0 else 0.0,
             transports=counts,

@@ -1,0 +1,100 @@
+"""``buffer_bytes="auto"``: how big the packing buffers are, decided once, on the trainer.
+
+The size is the smallest of three bounds, rounded to the alignment:
+
+* what the model needs: the bytes of every tensor laid out at aligned offsets (one buffer
+  then holds the whole model and a sync is one chunk; more would be memory for nothing);
+* the knee of the device: past it, bigger buffers buy little speed (the constants below,
+  measured, with where they came from);
+* free memory: ``num_buffers`` buffers may take at most :data:`MEMORY_SHARE` of the free
+  memory of the party with the least (each side of a broadcast holds its own buffers; ipc
+  slots live on the trainer's device, in /dev/shm on CPU).
+
+Call order: every party's :func:`free_memory_bytes` travels in its ``EndpointInfo``
+(``ws_describe``) -> the coordinator gathers them into :class:`BufferHints` -> the trainer's
+``WeightSender.manifest(settings, hints)`` calls :func:`resolve_buffer_bytes` and puts the
+number in the Manifest, which every worker checks like an explicit one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.wire.errors import SettingsError
+from weightsync.wire.manifest import TensorSpec, align_up
+
+#: CUDA knee. Earlier H200 data (docs/benchmarks.md, 16.6 GB bf16 over ipc): 256 MiB x 2
+#: 519-541 GB/s, 1 GiB x 2 718-766 GB/s, 2 GiB x 2 ~765-783 GB/s; 1 GiB x 2 takes most of
+#: the gain at half the memory of 2 GiB. To be re-measured by the lead on the H200.
+CUDA_KNEE_BYTES = 1 << 30
+
+#: CPU knee, measured on the 2-core development machine (docs/benchmarks.md, "Buffer knee
+#: on CPU"): shared-memory ipc of a 256 MB and a 1 GB model at 16, 64 and 256 MiB x 2.
+CPU_KNEE_BYTES = 64 << 20
+
+#: The largest share of a party's free memory that its ``num_buffers`` buffers may take.
+MEMORY_SHARE = 0.25
+
+KNEES = {"cpu": CPU_KNEE_BYTES, "cuda": CUDA_KNEE_BYTES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferHints:
+    """What the trainer needs to know about the other parties to size buffers."""
+
+    device: str
+    #: Free memory of every party that reported it (bytes), the trainer's included.
+    free_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.device not in KNEES:
+            raise SettingsError(f"buffer hints: device must be one of {sorted(KNEES)}, got {self.device!r}")
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.free_bytes):
+            raise SettingsError(f"buffer hints: free_bytes must be non-negative integers, got {self.free_bytes!r}")
+
+
+def needed_bytes(specs: Sequence[TensorSpec], alignment: int) -> int:
+    """The bytes of every tensor at aligned offsets: one buffer this big holds the model."""
+    cursor = 0
+    for spec in specs:
+        cursor = align_up(cursor, alignment) + spec.nbytes
+    return align_up(max(cursor, 1), alignment)
+
+
+def resolve_buffer_bytes(
+    buffer_bytes: int | str, specs: Sequence[TensorSpec], num_buffers: int, alignment: int, hints: BufferHints
+) -> int:
+    """``buffer_bytes`` itself when it is a number; for ``"auto"`` the size described above."""
+    if buffer_bytes != "auto":
+        assert isinstance(buffer_bytes, int)
+        return buffer_bytes
+    size = min(needed_bytes(specs, alignment), KNEES[hints.device])
+    if hints.free_bytes:
+        size = min(size, int(min(hints.free_bytes) * MEMORY_SHARE) // num_buffers)
+    return max(alignment, size // alignment * alignment)
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory a party could still give to buffers: free device memory on a GPU; on a CPU
+    the smaller of available RAM and free /dev/shm (ipc slots live there). None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        st = os.statvfs("/dev/shm")
+        found.append(st.f_bavail * st.f_frsize)
+    except OSError:
+        pass
+    return min(found) if found else None
