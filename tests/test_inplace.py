@@ -328,3 +328,89 @@ def test_auto_buffers_smaller_than_a_tensor_sync_bit_exact_over_every_transport(
         assert_bit_equal(getattr(worker_b, name), t, name)
         assert_bit_equal(loader.got[name], t, name)
         assert_bit_equal(getattr(worker_d, name), t, name)
+
+
+class _Recording:
+    """Rank 0 of a real one-rank NCCL group that also keeps a copy of every operation's
+    bytes, taken on the stream the operation ran on (so after it)."""
+
+    def __init__(self, nccl: Any) -> None:
+        self.nccl, self.rank, self.world_size, self.device = nccl, 0, 1, nccl.device
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int) -> Any:
+        work = self.nccl.broadcast(tensor, src, stream_pointer)
+        self.sent.append(tensor.clone())
+        return work
+
+    def agree(self, refuse: bool, deadline: float) -> list[int]:
+        return list(self.nccl.agree(refuse, deadline))
+
+    def abort(self) -> None:
+        self.nccl.abort()
+
+    def close(self) -> None:
+        pass
+
+
+class _Feeding(_Recording):
+    """A receiving rank of two: each operation's target is filled with what rank 0 sent in
+    that operation, then the real one-rank NCCL broadcast runs on it, on the same stream."""
+
+    def __init__(self, nccl: Any, sent: list[torch.Tensor]) -> None:
+        super().__init__(nccl)
+        self.rank, self.world_size, self.feed, self.targets = 1, 2, list(sent), []  # type: ignore[var-annotated]
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int) -> Any:
+        chunk = self.feed.pop(0)
+        assert tensor.numel() == chunk.numel() and tensor.dtype == torch.uint8 and tensor.device == self.device
+        assert torch.cuda.current_stream(self.device).cuda_stream == stream_pointer
+        tensor.copy_(chunk)
+        self.targets.append(tensor.data_ptr())
+        return self.nccl.broadcast(tensor, src, stream_pointer)
+
+
+@pytest.mark.cuda
+def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one() -> None:
+    """The broadcast halves on CUDA tensors over a real one-rank NCCL group: in-place
+    operations come from the trainer's own storage and land in the worker's own parameters
+    (or, for a load_weights sink, in the scratch buffer), checksums agree, bit-exact."""
+    from weightsync.transport.nccl import NcclCommunicator, make_unique_id
+
+    device = torch.device("cuda", 0)
+    nccl = NcclCommunicator(make_unique_id(), 0, 1, device, 60.0)
+    try:
+        model = Model(0).to(device)
+        model.load(6)
+        sender = WeightSender(model, device=device)
+        manifest = sender.manifest(SETTINGS)
+        recording = _Recording(nccl)
+        sender.open_broadcast(recording, ["trainer"], 60.0)
+        call = SyncCall(seq=0, version=1, verify=True)
+        sent = sender.send(call)
+        assert len(recording.sent) == len(manifest.broadcast_chunks)
+        inplace = [i for i, c in enumerate(manifest.broadcast_chunks) if c.inplace]
+        want = tensors(6)
+        for worker_sink in ("module", "load_weights"):
+            worker = Model(7).to(device)
+            loader = Loader()
+            sink = ModuleSink(worker) if worker_sink == "module" else LoadWeightsSink(loader)
+            receiver = WeightReceiver(sink, device=device, name="w")
+            receiver.accept(manifest)
+            feeding = _Feeding(nccl, recording.sent)
+            receiver.open_broadcast(feeding, ["trainer", "w"], 60.0)
+            got = receiver.receive(call)
+            assert got.checksums == sent.checksums["broadcast"]
+            receiver.commit(call, ok("trainer", "send", sent), ok("w", "receive", got))
+            assert receiver.version == 1
+            held = dict(worker.named_buffers()) if worker_sink == "module" else loader.got
+            for name, t in want.items():
+                assert_bit_equal(held[name].cpu(), t, name)
+            if worker_sink == "module":
+                landed = {feeding.targets[i] for i in inplace}
+                names = [manifest.specs[manifest.broadcast_chunks[i].pieces[0].spec_index].name for i in inplace]
+                assert landed == {getattr(worker, n).data_ptr() for n in names}  # straight into the parameters
+            receiver.half.close()  # type: ignore[union-attr]
+        sender.halves["broadcast"].close()
+    finally:
+        nccl.close()
