@@ -120,9 +120,16 @@ class Bench:
         version = [0]
 
         def sync_case(
-            name: str, transport: str, buffer_mib: int | None, nbuf: int, limit: float | None, members: list[Any]
+            name: str,
+            transport: str,
+            buffer_mib: int | None,
+            nbuf: int,
+            limit: float | None,
+            members: list[Any],
+            inplace_bytes: int | None = None,
         ) -> None:
-            """One weightsync case; ``buffer_mib=None``: the library's default ("auto")."""
+            """One weightsync case; ``buffer_mib=None``: the library's default ("auto");
+            ``inplace_bytes=None``: the library's default threshold."""
             base = self.memory_base(parties)
             ws = WeightSync(
                 trainer,
@@ -130,6 +137,7 @@ class Bench:
                 transport=transport,
                 buffer_bytes=buffer_mib * MIB if buffer_mib is not None else "auto",
                 num_buffers=nbuf,
+                inplace_bytes=inplace_bytes,
                 timeout_s=self.timeout,
             )
             try:
@@ -174,6 +182,7 @@ class Bench:
                     raw if n == len(workers) else None,
                     workers[:n],
                 )
+            sync_case("weightsync broadcast (all packed)", "broadcast", None, 2, raw, workers, inplace_bytes=0)
             if not args.quick:
                 for buffer_mib in args.buffer_mib:
                     sync_case("weightsync broadcast (knobs)", "broadcast", buffer_mib, 2, raw, workers)

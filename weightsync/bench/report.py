@@ -80,6 +80,7 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
             1,
         ),
         ("broadcast / per-tensor broadcast", f"weightsync broadcast, {receivers} receiver", "naive: one gloo", 1),
+        ("broadcast / all packed", f"weightsync broadcast, {receivers} receiver", "weightsync broadcast (all", 1),
         ("ipc (defaults) / two-copy limit", "weightsync ipc", "raw limit: one copy", 2),
         ("direct (defaults) / one raw copy", "weightsync direct", "raw limit: one copy", 1),
     ]

@@ -100,10 +100,12 @@ class _PackedBroadcast:
         return self.members[self.comm.rank]
 
     def buffers(self) -> list[torch.Tensor]:
+        """The packing buffers, allocated on first use: each as large as the plan's largest
+        packed chunk (at most ``buffer_bytes``; with most bytes in place, much less)."""
         if not self._buffers:
+            size = max((c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace), default=0)
             self._buffers = [
-                torch.empty(self.manifest.buffer_bytes, dtype=torch.uint8, device=self.comm.device)
-                for _ in range(self.manifest.num_buffers)
+                torch.empty(size, dtype=torch.uint8, device=self.comm.device) for _ in range(self.manifest.num_buffers)
             ]
         return self._buffers
 

@@ -32,9 +32,12 @@ from weightsync.wire.manifest import TensorSpec, align_up
 #: the gain at half the memory of 2 GiB. To be re-measured by the lead on the H200.
 CUDA_KNEE_BYTES = 1 << 30
 
-#: CPU knee, measured on the 2-core development machine (docs/benchmarks.md, "Buffer knee
-#: on CPU"): shared-memory ipc of a 256 MB and a 1 GB model at 16, 64 and 256 MiB x 2.
-CPU_KNEE_BYTES = 64 << 20
+#: CPU knee, measured on the 2-core development machine (docs/benchmarks.md, "Buffer size
+#: on CPU", 2026-12-03, noisy shared machine): shared-memory ipc, 2 slots. 256 MB model:
+#: 4 MiB 27.6 ms, 8 MiB 22.9, 16 MiB 33.4-36.3, 32 MiB 37.0, 64 MiB 37.0-40.8, 256 MiB 41.3;
+#: 1 GB model: 8 MiB 112-114 ms, 16 MiB 106, 64 MiB 98. On a CPU small slots stay in cache,
+#: so there is no knee upwards: 16 MiB is within ~10% of the best at both sizes.
+CPU_KNEE_BYTES = 16 << 20
 
 #: The largest share of a party's free memory that its ``num_buffers`` buffers may take.
 MEMORY_SHARE = 0.25
