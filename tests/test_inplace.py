@@ -414,3 +414,36 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
         sender.halves["broadcast"].close()
     finally:
         nccl.close()
+
+
+def test_in_place_broadcast_through_ray_with_auto_buffers_and_a_pinned_threshold(actors: Any) -> None:
+    """The product path: WeightSync over Ray, default ("auto") buffers, a threshold that
+    sends the policy's large tensors in place, verify on; then a worker pinned to another
+    threshold is refused at setup, naming the setting."""
+    import ray
+
+    from weightsync import SetupError, TrainerActor, WeightSync, WorkerActor
+    from weightsync.models import PolicyFactory, train_step
+
+    def get(ref: Any) -> Any:
+        return ray.get(ref, timeout=120)
+
+    def state(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    trainer = actors.add(TrainerActor.options(num_cpus=0).remote(PolicyFactory("1mb", seed=0)))
+    workers = [actors.add(WorkerActor.options(num_cpus=0).remote(PolicyFactory("1mb", seed=i + 1))) for i in range(2)]
+    with WeightSync(trainer, workers, transport="broadcast", inplace_bytes=65536, verify=True) as ws:
+        assert ws.manifest is not None and ws.manifest.inplace_count > 0
+        for step in (1, 2):
+            get(trainer.call.remote(train_step, step))
+            report = ws.sync(step)
+            assert report.inplace == ws.manifest.inplace_count and report.verified
+            expected = get(trainer.call.remote(state))
+            for worker in workers:
+                got = get(worker.call.remote(state))
+                for name, t in expected.items():
+                    assert_bit_equal(got[name], t, name)
+    pinned = actors.add(WorkerActor.options(num_cpus=0).remote(PolicyFactory("1mb", seed=3), expect_inplace_bytes=0))
+    with pytest.raises(SetupError, match="inplace_bytes"):
+        WeightSync(trainer, [pinned], transport="broadcast", inplace_bytes=65536).setup()
