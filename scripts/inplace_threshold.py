@@ -42,7 +42,7 @@ def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: i
 
     torch.set_num_threads(1)
     count = max(1, args.total_mib * 2**20 // size)
-    settings = SyncSettings(buffer_bytes=args.buffer_mib * 2**20, num_buffers=2, inplace_bytes=inplace)
+    settings = SyncSettings(buffer_bytes=args.buffer_mib * 2**20, num_buffers=args.num_buffers, inplace_bytes=inplace)
     model = Flat(count, size // 4, rank)
     manifest = WeightSender(Flat(count, size // 4, 0)).manifest(settings)
     members = ["trainer", *(f"r{i}" for i in range(1, world))]
@@ -90,8 +90,11 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=32)
     parser.add_argument("--buffer-mib", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-buffers", type=int, default=2, help="also the in-place operations kept in flight")
     args = parser.parse_args()
-    print(f"gloo, {args.receivers} receivers, {args.total_mib} MiB per model, packed buffers {args.buffer_mib} MiB x 2")
+    print(
+        f"gloo, {args.receivers} receivers, {args.total_mib} MiB per model, packed buffers {args.buffer_mib} MiB x {args.num_buffers}"
+    )
     print(f"{'tensor KiB':>10} {'tensors':>8} {'packed ms':>10} {'in place ms':>12} {'in place/packed':>16}")
     for kib in (int(k) for k in args.sizes_kib.split(",")):
         size = kib * 1024
