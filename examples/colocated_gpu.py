@@ -36,7 +36,7 @@ def main(workers: int = 2) -> int:
         weightsync.WorkerActor.options(**opts).remote(PolicyFactory("100mb", i + 1, "cuda"), device="cuda")
         for i in range(workers)
     ]
-    with weightsync.WeightSync(trainer, inference, buffer_bytes=256 << 20) as ws:
+    with weightsync.WeightSync(trainer, inference) as ws:  # buffer_bytes="auto": sized from the model
         print("transports:", ws.transports())
         for step in range(1, 4):
             ray.get(trainer.call.remote(train_step, step), timeout=120)

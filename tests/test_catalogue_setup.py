@@ -102,7 +102,8 @@ def test_item7_settings_refuse_a_bad_value_naming_the_field(field: str, value: A
 
 def test_item7_settings_defaults_are_kw_only_frozen_and_small_valid_values_pass() -> None:
     settings = weightsync.SyncSettings()
-    assert (settings.buffer_bytes, settings.num_buffers, settings.alignment) == (256 << 20, 2, 256)
+    assert (settings.buffer_bytes, settings.num_buffers, settings.alignment) == ("auto", 2, 256)
+    assert settings.inplace_bytes == 4 << 20
     assert (settings.timeout_s, settings.verify) == (120.0, False)
     with pytest.raises(AttributeError):
         settings.timeout_s = 1.0  # type: ignore[misc]

@@ -49,6 +49,7 @@ from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, PushExport, PushResult, SyncCall
 from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed, ok
 from weightsync.wire.settings import SyncSettings
+from weightsync.wire.sizing import BufferHints, free_memory_bytes
 
 
 def _answer(party: str, phase: str, fn: Callable[..., Any], *args: Any) -> Outcome:
@@ -83,6 +84,7 @@ def _describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
         device=device.type,
         gpu_uuid=uuid,
         sink_allows_direct=allows_direct,
+        free_bytes=free_memory_bytes(device),
     )
 
 
@@ -133,16 +135,23 @@ class TrainerMixin:
     def ws_describe(self) -> Outcome:
         return _answer("trainer", "describe", _describe, self.weightsync_device(), True)
 
-    def ws_manifest(self, settings: SyncSettings, party: str = "trainer", ranks: Sequence[str] = ()) -> Outcome:
+    def ws_manifest(
+        self,
+        settings: SyncSettings,
+        party: str = "trainer",
+        ranks: Sequence[str] = (),
+        hints: BufferHints | None = None,
+    ) -> Outcome:
         """The manifest of the model as it is now; ``party``/``ranks``: this rank's name and
-        every rank's, in rank order (a sharded trainer checks it was given its mesh's order)."""
+        every rank's, in rank order (a sharded trainer checks it was given its mesh's order);
+        ``hints``: what ``buffer_bytes="auto"`` is sized from."""
 
         def build() -> Manifest:
             sender = self._ws()
             if isinstance(sender, ShardedSender):
                 sender.bind(party, ranks)
             sender.name = party
-            return sender.manifest(settings)
+            return sender.manifest(settings, hints)
 
         return _answer(party, "manifest", build)
 
@@ -248,7 +257,8 @@ class TrainerMixin:
 class WorkerMixin:
     """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
     ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way, and
-    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers``."""
+    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers`` /
+    ``self.expect_inplace_bytes``."""
 
     def weightsync_model(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined, no-any-return]
@@ -266,6 +276,7 @@ class WorkerMixin:
                 "worker",
                 getattr(self, "expect_buffer_bytes", None),
                 getattr(self, "expect_num_buffers", None),
+                getattr(self, "expect_inplace_bytes", None),
             )
             self._ws_receiver = receiver
         return receiver
@@ -439,10 +450,12 @@ class _Worker(_ModelHost, WorkerMixin):
         sink: str = "module",
         expect_buffer_bytes: int | None = None,
         expect_num_buffers: int | None = None,
+        expect_inplace_bytes: int | None = None,
     ) -> None:
         super().__init__(model_factory, device)
         self.expect_buffer_bytes = expect_buffer_bytes
         self.expect_num_buffers = expect_num_buffers
+        self.expect_inplace_bytes = expect_inplace_bytes
         if sink == "load_weights":
             load = getattr(self.model, "load_weights", None)
             if load is None:

@@ -14,7 +14,7 @@ import torch
 
 from weightsync.cli_types import mib, positive_int
 from weightsync.models import SIZES, PolicyFactory, train_step
-from weightsync.wire.settings import DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS
+from weightsync.wire.settings import DEFAULT_NUM_BUFFERS
 
 
 def _print(*parts: Any) -> None:
@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
     d.add_argument("--size", default="30mb", choices=list(SIZES))
-    d.add_argument("--buffer-mib", type=mib, default=DEFAULT_BUFFER_BYTES, help="buffer size in MiB (default 256)")
+    d.add_argument(
+        "--buffer-mib", type=mib, default=None, help="buffer size in MiB (default: auto, sized from the model)"
+    )
     d.add_argument("--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS)
     d.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync")

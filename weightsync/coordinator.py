@@ -44,7 +44,8 @@ from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import EndpointInfo, ReceiveResult, SendResult, SyncCall
 from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed
 from weightsync.wire.report import SyncReport, WorkerReport
-from weightsync.wire.settings import SyncSettings
+from weightsync.wire.settings import BufferBytes, SyncSettings
+from weightsync.wire.sizing import BufferHints
 
 log = logging.getLogger("weightsync")
 Calls = dict[tuple[str, str], Any]
@@ -95,8 +96,9 @@ class WeightSync:
         transport: str | Mapping[str, str] = "auto",
         *,
         settings: SyncSettings | None = None,
-        buffer_bytes: int | None = None,
+        buffer_bytes: BufferBytes | None = None,
         num_buffers: int | None = None,
+        inplace_bytes: int | None = None,
         alignment: int | None = None,
         timeout_s: float | None = None,
         verify: bool | None = None,
@@ -108,7 +110,12 @@ class WeightSync:
         if not isinstance(base, SyncSettings):
             raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
         self.settings = base.with_overrides(
-            buffer_bytes=buffer_bytes, num_buffers=num_buffers, alignment=alignment, timeout_s=timeout_s, verify=verify
+            buffer_bytes=buffer_bytes,
+            num_buffers=num_buffers,
+            inplace_bytes=inplace_bytes,
+            alignment=alignment,
+            timeout_s=timeout_s,
+            verify=verify,
         )
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
@@ -240,7 +247,7 @@ class WeightSync:
             culprits = sorted(choices)
             raise SetupError(describe_failure("setup refused a transport", choices, culprits), choices, culprits)
         made = self._step(
-            {(r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names) for r, h in ranks.parties().items()},
+            {(r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names, self._hints(infos)) for r, h in ranks.parties().items()},
             "building the manifest",
         )
         manifest: Manifest = made[ranks.lead].value
@@ -271,6 +278,13 @@ class WeightSync:
             manifest.buffer_bytes,
         )
         return manifest
+
+    def _hints(self, ranks: Sequence[EndpointInfo]) -> BufferHints:
+        """What ``buffer_bytes="auto"`` is sized from: the trainer's device, every party's free memory."""
+        infos = [*ranks, *(w.info for w in self._workers.values() if w.info is not None)]
+        return BufferHints(
+            device=ranks[0].device, free_bytes=tuple(i.free_bytes for i in infos if i.free_bytes is not None)
+        )
 
     def _members(self, transport: str) -> list[tuple[str, Any]]:
         return [(w.name, w.handle) for w in self._workers.values() if w.transport == transport]
@@ -353,7 +367,8 @@ class WeightSync:
         return SyncReport(
             version=version,
             bytes=total,
-            chunks=len(self.manifest.chunks),
+            chunks=len(self.manifest.broadcast_chunks if "broadcast" in counts else self.manifest.chunks),
+            inplace=self.manifest.inplace_count if "broadcast" in counts else 0,
             seconds=seconds,
             gbps=total / seconds / 1e9 if seconds > 0 else 0.0,
             transports=counts,

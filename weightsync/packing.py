@@ -80,6 +80,14 @@ def byte_checksum(buffer: torch.Tensor, nbytes: int) -> int:
     return total & 0xFFFFFFFFFFFFFFFF
 
 
+def contiguous_checksum(tensor: torch.Tensor) -> int:
+    """:func:`byte_checksum` of a contiguous tensor's own bytes (an in-place broadcast chunk)."""
+    flat = as_bytes(tensor)
+    if flat.storage_offset() % 8:
+        flat = flat.clone()
+    return byte_checksum(flat, flat.numel())
+
+
 def word_sum(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`byte_checksum` of one tensor's bytes as a 0-d int64 tensor on its device
     (nothing is read back to the host)."""

@@ -50,11 +50,12 @@ class WeightReceiver:
         name: str = "worker",
         expect_buffer_bytes: int | None = None,
         expect_num_buffers: int | None = None,
+        expect_inplace_bytes: int | None = None,
     ) -> None:
         self.sink: Sink = ModuleSink(sink) if isinstance(sink, nn.Module) else sink
         self.device = torch.device(device)
         self.name = name
-        self._expect = (expect_buffer_bytes, expect_num_buffers)
+        self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
         self.manifest: Manifest | None = None
         self.version: int | None = None
         self.state = WorkerState.COMMITTED

@@ -31,9 +31,14 @@ from weightsync.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.wire.manifest import Manifest, TensorSpec
 from weightsync.wire.messages import DirectExport, IpcExport, SendResult, SyncCall
 from weightsync.wire.settings import SyncSettings
+from weightsync.wire.sizing import BufferHints, free_memory_bytes, resolve_buffer_bytes
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 ORDER = ("direct", "ipc", "broadcast")
+
+
+def _known(free: int | None) -> tuple[int, ...]:
+    return () if free is None else (free,)
 
 
 @dataclass
@@ -75,13 +80,22 @@ class WeightSender:
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in self.named_tensors()]
 
-    def manifest(self, settings: SyncSettings) -> Manifest:
-        """Fix the wire contract for a new session from the model as it is now."""
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
+        """Fix the wire contract for a new session from the model as it is now;
+        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory)."""
         self.close_transports()
         self._paths = None
         self._checked_key = None
         self._timeout_s = settings.timeout_s
-        self._manifest = Manifest.build(self.specs(), settings.buffer_bytes, settings.num_buffers, settings.alignment)
+        specs = self.specs()
+        if hints is None:
+            hints = BufferHints(device=self.device.type, free_bytes=_known(free_memory_bytes(self.device)))
+        buffer_bytes = resolve_buffer_bytes(
+            settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
+        )
+        self._manifest = Manifest.build(
+            specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes
+        )
         return self._manifest
 
     @property

@@ -62,6 +62,7 @@ from weightsync.wire.errors import (
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import SendResult, SyncCall
 from weightsync.wire.settings import SyncSettings
+from weightsync.wire.sizing import BufferHints
 
 
 def plan_buckets(nbytes: Sequence[int], budget: int) -> list[range]:
@@ -300,8 +301,8 @@ class ShardedSender(WeightSender):
     def peers(self) -> tuple[str, ...]:
         return tuple(r for r in self.ranks if r != self.name)
 
-    def manifest(self, settings: SyncSettings) -> Manifest:
-        manifest = super().manifest(settings)
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
+        manifest = super().manifest(settings, hints)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
         self._buckets = plan_buckets(sizes, manifest.buffer_bytes)
         return manifest

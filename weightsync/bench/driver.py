@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import weightsync.bench.probes as probes
-from weightsync.bench.report import MIB, Case, header, plot, show, write_json
+from weightsync.bench.report import MIB, Case, header, plot, ratios, show, write_json
 from weightsync.models import PolicyFactory
 from weightsync.wire.errors import WeightSyncError
 from weightsync.wire.settings import SyncSettings
@@ -26,6 +26,7 @@ class Bench:
         self.ray = ray
         self.args = args
         self.cases: list[Case] = []
+        self.summary: list[str] = []
         self.timeout = args.timeout
 
     def get(self, ref: Any) -> Any:
@@ -84,8 +85,11 @@ class Bench:
             finally:
                 for handle in [trainer, *workers]:
                     self.ray.kill(handle)
+            for line in ratios(self.cases, size, len(workers)):
+                self.summary.append(line)
+                print(line, flush=True)
         if args.json:
-            write_json(args.json, args, self.cases)
+            write_json(args.json, args, self.cases, self.summary)
         if args.plot:
             plot(self.cases, args.plot)
         return 0
@@ -116,24 +120,34 @@ class Bench:
         version = [0]
 
         def sync_case(
-            name: str, transport: str, buffer_mib: int, nbuf: int, limit: float | None, members: list[Any]
+            name: str,
+            transport: str,
+            buffer_mib: int | None,
+            nbuf: int,
+            limit: float | None,
+            members: list[Any],
+            inplace_bytes: int | None = None,
         ) -> None:
+            """One weightsync case; ``buffer_mib=None``: the library's default ("auto");
+            ``inplace_bytes=None``: the library's default threshold."""
             base = self.memory_base(parties)
             ws = WeightSync(
                 trainer,
                 members,
                 transport=transport,
-                buffer_bytes=buffer_mib * MIB,
+                buffer_bytes=buffer_mib * MIB if buffer_mib is not None else "auto",
                 num_buffers=nbuf,
+                inplace_bytes=inplace_bytes,
                 timeout_s=self.timeout,
             )
             try:
-                ws.setup()
+                built = ws.setup()
             except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
                 print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
                 return
 
-            case = Case(size, name, nbytes, buffer_mib, nbuf, limit_s=limit)
+            note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
+            case = Case(size, name, nbytes, built.buffer_bytes // MIB, nbuf, limit_s=limit, note=note)
 
             def one() -> float:
                 version[0] += 1
@@ -150,13 +164,13 @@ class Bench:
         for transport in colocated:
             if transport not in args.transports:
                 continue
-            sync_case(f"weightsync {transport}", transport, first, 2, copy_s, workers[:1])
+            sync_case(f"weightsync {transport}", transport, None, 2, copy_s, workers[:1])
         if "direct" in args.transports:
             self.push_cases(size, trainer, workers[0], nbytes, copy_s)
         if "ipc" in args.transports and not args.quick:
             for buffer_mib in args.buffer_mib:
                 for nbuf in (1, 2, 3):
-                    if (buffer_mib, nbuf) != (first, 2) and buffer_mib * MIB <= max(2 * nbytes, first * MIB):
+                    if buffer_mib * MIB <= max(2 * nbytes, first * MIB):
                         sync_case("weightsync ipc (knobs)", "ipc", buffer_mib, nbuf, copy_s, workers[:1])
             self.reference_case(size, trainer, workers[0], nbytes, copy_s, first)
         if "broadcast" in args.transports and not cuda:
@@ -165,13 +179,14 @@ class Bench:
                 sync_case(
                     f"weightsync broadcast, {n} receiver(s)",
                     "broadcast",
-                    first,
+                    None,
                     2,
                     raw if n == len(workers) else None,
                     workers[:n],
                 )
+            sync_case("weightsync broadcast (all packed)", "broadcast", None, 2, raw, workers, inplace_bytes=0)
             if not args.quick:
-                for buffer_mib in args.buffer_mib[1:]:
+                for buffer_mib in args.buffer_mib:
                     sync_case("weightsync broadcast (knobs)", "broadcast", buffer_mib, 2, raw, workers)
                 for nbuf in (1, 3):
                     sync_case("weightsync broadcast (knobs)", "broadcast", first, nbuf, raw, workers)

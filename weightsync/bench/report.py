@@ -63,6 +63,40 @@ def show(c: Case) -> None:
     )
 
 
+def _find(cases: list[Case], size: str, prefix: str) -> Case | None:
+    return next((c for c in cases if c.size == size and c.name.startswith(prefix)), None)
+
+
+def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
+    """The issue-19 ratios of one size, each a limit's or baseline's time over the case's
+    time (above 100%: faster than it), from cases measured in this run."""
+    lines = []
+    copy = _find(cases, size, "raw limit: one copy")
+    pairs = [
+        (
+            "broadcast / raw one-buffer broadcast",
+            f"weightsync broadcast, {receivers} receiver",
+            "raw limit: one gloo",
+            1,
+        ),
+        ("broadcast / per-tensor broadcast", f"weightsync broadcast, {receivers} receiver", "naive: one gloo", 1),
+        ("broadcast / all packed", f"weightsync broadcast, {receivers} receiver", "weightsync broadcast (all", 1),
+        ("ipc (defaults) / two-copy limit", "weightsync ipc", "raw limit: one copy", 2),
+        ("direct (defaults) / one raw copy", "weightsync direct", "raw limit: one copy", 1),
+    ]
+    for label, case_name, base_name, factor in pairs:
+        case = _find(cases, size, case_name)
+        base = copy if base_name.startswith("raw limit: one copy") else _find(cases, size, base_name)
+        if case is None or base is None or case.name.endswith("(knobs)"):
+            continue
+        limit = base.median * factor
+        lines.append(
+            f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
+            f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
+        )
+    return lines
+
+
 def header() -> None:
     print(
         f"{'size':>6} {'case':<34} {'MiB':>5} {'nb':>2} {'median ms':>10} {'min-max ms':>19} {'send ms':>8}"
@@ -72,12 +106,13 @@ def header() -> None:
     )
 
 
-def write_json(path: str, args: argparse.Namespace, cases: list[Case]) -> None:
+def write_json(path: str, args: argparse.Namespace, cases: list[Case], summary: list[str] | None = None) -> None:
     with open(path, "w") as fh:
         json.dump(
             {
                 "args": {k: v for k, v in vars(args).items() if k != "func"},
                 "cases": [c.row() for c in cases],
+                "ratios": summary or [],
             },
             fh,
             indent=2,

@@ -1,11 +1,22 @@
-"""Packed, multi-buffer broadcast over any :class:`Communicator` (gloo on CPU, NCCL on GPU).
+"""Packed, multi-buffer broadcast over any :class:`Communicator` (gloo on CPU, NCCL on GPU),
+with large tensors sent in place.
 
-The producer (rank 0, the trainer) packs chunk k into buffer ``k % num_buffers`` and starts
-its broadcast asynchronously, so with two or more buffers packing chunk k+1 overlaps sending
-chunk k. Each receiver keeps ``num_buffers`` receives posted ahead and unpacks chunk k while
-chunk k+1 arrives. Buffers are allocated once per session and reused; an in-flight chunk's
-buffer stays referenced until its broadcast completed, and both sides drain every slot
-before returning.
+Both sides walk the Manifest's broadcast plan (``Manifest.broadcast_chunks``). A packed
+chunk: the producer (rank 0, the trainer) packs it into buffer ``p % num_buffers`` (p counts
+packed chunks) and starts its broadcast asynchronously, so with two or more buffers packing
+chunk p+1 overlaps sending chunk p; each receiver unpacks it out of its own buffer. An
+in-place chunk (one tensor of at least ``inplace_bytes``): the trainer broadcasts the
+tensor's own storage when it is contiguous and of the wire dtype (else a contiguous
+wire-dtype temporary, alive until its broadcast completed: at most ``num_buffers`` of them
+at once), and a receiver whose sink gives a contiguous tensor of that dtype and shape
+receives straight into it; any other receiver (a strided or differently typed destination,
+a ``load_weights`` sink) receives into one reused scratch buffer, the size of the largest
+such tensor, and unpacks from there exactly as it unpacks a packed chunk. Receivers keep
+``num_buffers`` operations posted ahead, whatever their kind. In-place operations run on
+their own stream (on a GPU). Buffers are allocated once per session and reused; an
+in-flight chunk's buffer stays referenced until its broadcast completed, and both sides
+drain every stream before returning. With ``verify``, every chunk of the plan, in-place
+ones included, has a checksum on both sides.
 
 Every sync starts with an agreement, one tiny all-reduce in which each rank says whether it
 can go ahead: a rank that failed before any byte moved (a worker refusing the version, a
@@ -22,17 +33,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from weightsync.packing import byte_checksum, pack_chunk
-from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
+from weightsync.packing import ChunkUnpacker, as_bytes, byte_checksum, contiguous_checksum, pack_chunk
+from weightsync.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.transport.control import Deadlines
 from weightsync.transport.streams import SlotStreams
 from weightsync.wire.errors import PeerAborted, WeightSyncError
-from weightsync.wire.manifest import Manifest
+from weightsync.wire.manifest import Chunk, Manifest
 from weightsync.wire.messages import SyncCall
 
 log = logging.getLogger("weightsync")
@@ -73,8 +85,11 @@ class _PackedBroadcast:
         self.manifest = manifest
         self.deadlines = Deadlines(timeout_s)
         self.members = tuple(members)
-        self.streams = SlotStreams(comm.device, manifest.num_buffers)
+        # One stream per buffer slot, and the last one for the in-place operations.
+        self.streams = SlotStreams(comm.device, manifest.num_buffers + 1)
+        self.lane = manifest.num_buffers
         self._buffers: list[torch.Tensor] = []
+        self._scratch: torch.Tensor | None = None
         self._in_flight: list[Work] = []
         # This sync's agreement: "" (not yet), "asked", "refused" (nothing moved), "moving".
         self._agreement = ""
@@ -85,12 +100,21 @@ class _PackedBroadcast:
         return self.members[self.comm.rank]
 
     def buffers(self) -> list[torch.Tensor]:
+        """The packing buffers, allocated on first use: each as large as the plan's largest
+        packed chunk (at most ``buffer_bytes``; with most bytes in place, much less)."""
         if not self._buffers:
+            size = max((c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace), default=0)
             self._buffers = [
-                torch.empty(self.manifest.buffer_bytes, dtype=torch.uint8, device=self.comm.device)
-                for _ in range(self.manifest.num_buffers)
+                torch.empty(size, dtype=torch.uint8, device=self.comm.device) for _ in range(self.manifest.num_buffers)
             ]
         return self._buffers
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """The receiver's reused landing for in-place tensors it cannot take directly."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.comm.device)
+        return self._scratch
 
     def _agree(self, deadline: float) -> None:
         self._agreement = "asked"
@@ -132,82 +156,162 @@ class _PackedBroadcast:
 
 
 class BroadcastSender(_PackedBroadcast, SendHalf):
-    """Rank 0's side: agree, then pack and broadcast every chunk of the Manifest."""
+    """Rank 0's side: agree, then broadcast every chunk of the broadcast plan."""
 
     kind = "broadcast"
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self._agree(deadline)
-        buffers = self.buffers()
         nbuf = self.manifest.num_buffers
         in_flight: list[Work | None] = [None] * nbuf
+        # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
+        inplace: deque[tuple[Work, torch.Tensor]] = deque()
         caller = self.streams.caller_stream()
         checksums: list[int] = []
-        for chunk in self.manifest.chunks:
-            slot = chunk.index % nbuf
+        packed = 0
+        for chunk in self.manifest.broadcast_chunks:
+            if chunk.inplace:
+                while len(inplace) >= nbuf:
+                    inplace.popleft()[0].wait(deadline)
+                with self.streams.use(self.lane), torch.no_grad():
+                    self.streams.wait_for(self.lane, caller)
+                    wire = self._wire_tensor(chunk, sources)
+                    if call.verify:
+                        checksums.append(contiguous_checksum(wire))
+                    work = self.comm.broadcast(as_bytes(wire), 0, self.streams.stream_pointer(self.lane))
+                inplace.append((work, wire))
+                self._in_flight.append(work)
+                continue
+            slot = packed % nbuf
+            packed += 1
             pending = in_flight[slot]
             if pending is not None:
                 pending.wait(deadline)
                 in_flight[slot] = None
+            buffer = self.buffers()[slot]
             with self.streams.use(slot), torch.no_grad():
                 self.streams.wait_for(slot, caller)
-                pack_chunk(chunk, self.manifest.specs, sources.tensors, buffers[slot])
+                pack_chunk(chunk, self.manifest.specs, sources.tensors, buffer)
                 if call.verify:
-                    checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
-                work = self.comm.broadcast(buffers[slot][: chunk.nbytes], 0, self.streams.stream_pointer(slot))
+                    checksums.append(byte_checksum(buffer, chunk.nbytes))
+                work = self.comm.broadcast(buffer[: chunk.nbytes], 0, self.streams.stream_pointer(slot))
                 in_flight[slot] = work
                 self._in_flight.append(work)
         for last in in_flight:
             if last is not None:
                 last.wait(deadline)
+        for work, _ in inplace:
+            work.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
+        inplace.clear()
         self._in_flight.clear()
         self._agreement = ""
         return checksums, ()
+
+    def _wire_tensor(self, chunk: Chunk, sources: Sources) -> torch.Tensor:
+        """The tensor an in-place chunk broadcasts: the source itself when it is contiguous,
+        of the wire dtype and on the group's device; else a contiguous wire-dtype copy."""
+        index = chunk.pieces[0].spec_index
+        spec = self.manifest.specs[index]
+        return sources.tensors[index].detach().to(device=self.comm.device, dtype=spec.torch_dtype).contiguous()
 
     def _timeout_message(self, what: str) -> str:
         return f"{self.me}: {what} did not complete in time; a peer in the group is dead, stuck or too slow"
 
 
 class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
-    """Ranks 1..N: agree, then receive every chunk and unpack it into the sink."""
+    """Ranks 1..N: agree, then receive every chunk of the broadcast plan into the sink."""
 
     kind = "broadcast"
     knows_sender_finished = False
 
+    def _direct_target(self, chunk: Chunk, destinations: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """Where an in-place chunk may land as it arrives: the destination's own bytes when it
+        is a contiguous tensor of the spec's dtype and shape on the group's device; else None
+        (it lands in the scratch buffer and is unpacked from there, never written raw)."""
+        if not chunk.inplace:
+            return None
+        index = chunk.pieces[0].spec_index
+        spec = self.manifest.specs[index]
+        dest = destinations[index]
+        if (
+            dest is None
+            or not dest.is_contiguous()
+            or dest.dtype != spec.torch_dtype
+            or tuple(dest.shape) != spec.shape
+            or dest.device != self.comm.device
+        ):
+            return None
+        return as_bytes(dest.detach())
+
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         deadline = self.deadlines.follower(time.monotonic())
-        unpacker = unpacker_for(self.manifest, sink)
+        manifest = self.manifest
+        destinations = sink.destinations(manifest)
+        unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
+        plan = manifest.broadcast_chunks
+        nbuf = manifest.num_buffers
+        direct = [self._direct_target(c, destinations) for c in plan]
+        scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
+        # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.
+        resource: list[int | None] = []
+        packed = 0
+        for chunk, target in zip(plan, direct):
+            if not chunk.inplace:
+                resource.append(packed % nbuf)
+                packed += 1
+            else:
+                resource.append(None if target is not None else -1)
         self._agree(deadline)
         begin()
-        buffers = self.buffers()
-        chunks = self.manifest.chunks
-        nbuf = self.manifest.num_buffers
         posted: dict[int, Work] = {}
-        checksums: list[int] = []
+        busy: set[int] = set()
+        ahead = 0
 
-        def post(index: int) -> None:
-            if index < len(chunks):
-                slot = index % nbuf
-                with self.streams.use(slot):
-                    work = self.comm.broadcast(
-                        buffers[slot][: chunks[index].nbytes], 0, self.streams.stream_pointer(slot)
-                    )
-                posted[index] = work
+        def post_ahead(done: int) -> None:
+            nonlocal ahead
+            while ahead < len(plan) and ahead - done < nbuf:
+                chunk, held = plan[ahead], resource[ahead]
+                if held is not None and held in busy:
+                    return
+                if held is None:
+                    target = direct[ahead]
+                    assert target is not None
+                elif held < 0:
+                    target = self.scratch(scratch_bytes)[: chunk.nbytes]
+                else:
+                    target = self.buffers()[held][: chunk.nbytes]
+                lane = self.lane if chunk.inplace else held
+                assert lane is not None
+                with self.streams.use(lane):
+                    work = self.comm.broadcast(target, 0, self.streams.stream_pointer(lane))
+                posted[ahead] = work
                 self._in_flight.append(work)
+                if held is not None:
+                    busy.add(held)
+                ahead += 1
 
-        for index in range(min(nbuf, len(chunks))):
-            post(index)
-        for chunk in chunks:
-            slot = chunk.index % nbuf
-            posted.pop(chunk.index).wait(deadline)
-            with self.streams.use(slot):
-                handed = unpacker.unpack(chunk, buffers[slot])
-                if handed:
-                    sink.consume(handed)
-                if call.verify:
-                    checksums.append(byte_checksum(buffers[slot], chunk.nbytes))
-            post(chunk.index + nbuf)
+        checksums: list[int] = []
+        for index, chunk in enumerate(plan):
+            post_ahead(index)
+            posted.pop(index).wait(deadline)
+            held = resource[index]
+            lane = self.lane if chunk.inplace else held
+            assert lane is not None
+            with self.streams.use(lane):
+                if held is None:
+                    if call.verify:
+                        landed = direct[index]
+                        assert landed is not None
+                        checksums.append(contiguous_checksum(landed))
+                else:
+                    buffer = self.scratch(scratch_bytes) if held < 0 else self.buffers()[held]
+                    handed = unpacker.unpack(chunk, buffer)
+                    if handed:
+                        sink.consume(handed)
+                    if call.verify:
+                        checksums.append(byte_checksum(buffer, chunk.nbytes))
+                    busy.discard(held)
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
         self._in_flight.clear()

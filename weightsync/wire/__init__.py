@@ -30,7 +30,16 @@ from weightsync.wire.errors import (
     VersionError,
     WeightSyncError,
 )
-from weightsync.wire.manifest import PROTOCOL_VERSION, Chunk, ChunkPiece, Manifest, TensorSpec, align_up, plan_chunks
+from weightsync.wire.manifest import (
+    PROTOCOL_VERSION,
+    Chunk,
+    ChunkPiece,
+    Manifest,
+    TensorSpec,
+    align_up,
+    plan_broadcast,
+    plan_chunks,
+)
 from weightsync.wire.messages import (
     TRANSPORTS,
     ChunkHandle,
@@ -103,5 +112,6 @@ __all__ = [
     "assign_blame",
     "dtype_from_name",
     "dtype_name",
+    "plan_broadcast",
     "plan_chunks",
 ]

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from weightsync.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.wire.errors import ManifestError, SettingsError
-from weightsync.wire.settings import DEFAULT_ALIGNMENT, DEFAULT_BUFFER_BYTES, DEFAULT_NUM_BUFFERS, check_buffer_settings
+from weightsync.wire.settings import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_INPLACE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    check_buffer_settings,
+)
 
-PROTOCOL_VERSION = 2
+#: 3: the Manifest carries the in-place threshold and the broadcast plan.
+PROTOCOL_VERSION = 3
 
 
 def align_up(offset: int, alignment: int) -> int:
@@ -86,11 +93,16 @@ class ChunkPiece:
 
 @dataclass(frozen=True)
 class Chunk:
-    """The contents of one buffer fill: pieces in order and the bytes actually used."""
+    """The contents of one buffer fill: pieces in order and the bytes actually used.
+
+    An ``inplace`` chunk (broadcast plans only) is one whole tensor sent by its own
+    collective, from the trainer's tensor into the worker's: one piece, offset 0.
+    """
 
     index: int
     pieces: tuple[ChunkPiece, ...]
     nbytes: int
+    inplace: bool = False
 
 
 def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
@@ -133,12 +145,46 @@ def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) 
     return tuple(chunks)
 
 
+def plan_broadcast(
+    specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int, inplace_bytes: int
+) -> tuple[Chunk, ...]:
+    """The broadcast plan: every tensor of at least ``inplace_bytes`` (0: none) is an
+    in-place chunk of its own; the runs of smaller tensors between them are packed as
+    :func:`plan_chunks` packs them. Chunks follow spec order, so the trainer reads its
+    tensors in manifest order (a sharded source gathers bucket by bucket in that order).
+    """
+    if inplace_bytes <= 0:
+        return plan_chunks(specs, buffer_bytes, alignment)
+    plan: list[Chunk] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        for chunk in plan_chunks([specs[i] for i in run], buffer_bytes, alignment):
+            pieces = tuple(replace(p, spec_index=run[p.spec_index]) for p in chunk.pieces)
+            plan.append(Chunk(index=len(plan), pieces=pieces, nbytes=chunk.nbytes))
+        run.clear()
+
+    for index, spec in enumerate(specs):
+        if spec.nbytes and spec.nbytes >= inplace_bytes:
+            flush()
+            piece = ChunkPiece(index, 0, 0, spec.nbytes)
+            plan.append(Chunk(index=len(plan), pieces=(piece,), nbytes=spec.nbytes, inplace=True))
+        else:
+            run.append(index)
+    flush()
+    return tuple(plan)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything both sides derive a transfer from, fixed by the trainer at setup.
 
-    Build it with :meth:`build` (which computes the chunk plan); a receiver checks it with
+    Build it with :meth:`build` (which computes the chunk plans); a receiver checks it with
     :meth:`validate` and :meth:`check_against` before joining any collective.
+
+    Two plans: ``chunks`` packs every tensor (ipc slots; direct uses :meth:`region_layout`);
+    ``broadcast_chunks`` sends tensors of at least ``inplace_bytes`` in place and packs the
+    rest (:func:`plan_broadcast`).
     """
 
     specs: tuple[TensorSpec, ...]
@@ -148,6 +194,8 @@ class Manifest:
     chunks: tuple[Chunk, ...]
     protocol_version: int = PROTOCOL_VERSION
     total_bytes: int = field(default=0)
+    inplace_bytes: int = 0
+    broadcast_chunks: tuple[Chunk, ...] = ()
 
     @classmethod
     def build(
@@ -156,9 +204,10 @@ class Manifest:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         alignment: int = DEFAULT_ALIGNMENT,
+        inplace_bytes: int = DEFAULT_INPLACE_BYTES,
     ) -> Manifest:
         spec_tuple = tuple(specs)
-        check_buffer_settings(buffer_bytes, num_buffers, alignment)
+        check_buffer_settings(buffer_bytes, num_buffers, alignment, inplace_bytes)
         check_specs(spec_tuple)
         return cls(
             specs=spec_tuple,
@@ -167,7 +216,14 @@ class Manifest:
             alignment=alignment,
             chunks=plan_chunks(spec_tuple, buffer_bytes, alignment),
             total_bytes=sum(s.nbytes for s in spec_tuple),
+            inplace_bytes=inplace_bytes,
+            broadcast_chunks=plan_broadcast(spec_tuple, buffer_bytes, alignment, inplace_bytes),
         )
+
+    @property
+    def inplace_count(self) -> int:
+        """How many tensors the broadcast plan sends in place."""
+        return sum(1 for c in self.broadcast_chunks if c.inplace)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -197,13 +253,22 @@ class Manifest:
                 f"worker speaks {PROTOCOL_VERSION}; install the same weightsync version on both"
             )
         try:
-            rebuilt = Manifest.build(self.specs, self.buffer_bytes, self.num_buffers, self.alignment)
+            rebuilt = Manifest.build(
+                self.specs, self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes
+            )
         except SettingsError as exc:
             raise ManifestError(f"the trainer's manifest carries unusable buffer settings: {exc}") from exc
         if rebuilt.chunks != self.chunks or rebuilt.total_bytes != self.total_bytes:
             raise ManifestError(
                 "the chunk plan sent by the trainer differs from the one this worker derives "
                 "from the same specs; install the same weightsync version on both sides"
+            )
+        if rebuilt.broadcast_chunks != self.broadcast_chunks:
+            raise ManifestError(
+                f"the broadcast plan sent by the trainer (inplace_bytes={self.inplace_bytes}: "
+                f"{self.inplace_count} tensor(s) in place, {len(self.broadcast_chunks)} chunk(s)) differs from "
+                f"the one this worker derives with that threshold ({rebuilt.inplace_count} in place, "
+                f"{len(rebuilt.broadcast_chunks)} chunk(s)); install the same weightsync version on both sides"
             )
 
     def check_against(self, local: Sequence[TensorSpec], who: str = "worker") -> None:
@@ -224,12 +289,15 @@ class Manifest:
         who: str,
         buffer_bytes: int | None = None,
         num_buffers: int | None = None,
+        inplace_bytes: int | None = None,
     ) -> None:
-        """Refuse the trainer's buffer settings where ``who`` was pinned to other values."""
+        """Refuse the trainer's buffer settings where ``who`` was pinned to other values
+        (``buffer_bytes`` is compared with the size the trainer resolved, "auto" or not)."""
         problems = []
         for label, mine, theirs in (
             ("buffer_bytes", buffer_bytes, self.buffer_bytes),
             ("num_buffers", num_buffers, self.num_buffers),
+            ("inplace_bytes", inplace_bytes, self.inplace_bytes),
         ):
             if mine is not None and mine != theirs:
                 problems.append(f"{label}: trainer uses {theirs}, {who} was configured with {mine}")

@@ -36,9 +36,16 @@ class EndpointInfo:
     device: str
     gpu_uuid: str | None
     sink_allows_direct: bool
+    #: Memory this party could give to buffers (weightsync.wire.sizing.free_memory_bytes),
+    #: for ``buffer_bytes="auto"``; None when it could not tell.
+    free_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(
+            self.free_bytes is None or (_is_int(self.free_bytes) and self.free_bytes >= 0),
+            f"endpoint free_bytes must be None or a non-negative int, got {self.free_bytes!r}",
+        )
         _require(_is_int(self.pid) and self.pid > 0, f"endpoint pid must be a positive int, got {self.pid!r}")
         _require(self.device != "cuda" or bool(self.gpu_uuid), "a CUDA endpoint must report its GPU's UUID")
 

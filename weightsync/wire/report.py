@@ -20,9 +20,10 @@ class WorkerReport:
 class SyncReport:
     """What one sync did: bytes, chunks, wall time, and each worker's resulting version.
 
-    ``chunks`` counts the manifest's chunk plan (the same number every transport is set up
-    with; direct writes the same bytes without packing them). ``verified`` is True only
-    when a check of the bytes ran on every worker before it committed.
+    ``chunks`` counts the manifest's chunk plan: the broadcast plan when a broadcast worker
+    took part (``inplace`` of its chunks are single tensors sent in place), else the packed
+    plan ipc uses (direct writes the same bytes without packing them). ``verified`` is True
+    only when a check of the bytes ran on every worker before it committed.
     """
 
     version: int
@@ -36,6 +37,7 @@ class SyncReport:
     #: Seconds the trainer spent inside its send call: the transfer itself. The rest of
     #: ``seconds`` is Ray hand-offs and bookkeeping.
     send_seconds: float = 0.0
+    inplace: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,5 +50,6 @@ class SyncReport:
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
             f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
-            f"{self.chunks} chunk(s){', verified' if self.verified else ''}"
+            f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
+            f"{', verified' if self.verified else ''}"
         )
