@@ -100,16 +100,17 @@ def open_direct(step: Step, party: Party, members: Members, settings: SyncSettin
     step({(name, "seal"): handle.ws_seal_direct.remote() for name, handle in members}, "sealing direct exports")
 
 
-def open_push(step: Step, trainer: Any, members: Members, settings: SyncSettings) -> None:
+def open_push(step: Step, party: Party, members: Members, settings: SyncSettings) -> None:
     """Push mode: every direct worker listens, the trainer attaches their mailboxes."""
     if not members:
         return
+    me, trainer = party
     timeout = settings.timeout_s
     exports = step(
         {(name, "listen"): handle.ws_listen.remote(timeout) for name, handle in members}, "starting the listeners"
     )
     step(
-        {("trainer", "arm"): trainer.ws_arm.remote([exports[name].value for name, _ in members], timeout)},
+        {(me, "arm"): trainer.ws_arm.remote([exports[name].value for name, _ in members], timeout)},
         "attaching the listeners' mailboxes",
     )
     step({(name, "seal"): handle.ws_seal_listen.remote() for name, handle in members}, "sealing the mailboxes")
