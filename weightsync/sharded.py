@@ -60,7 +60,7 @@ from weightsync.wire.errors import (
     WeightSyncError,
 )
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import SendResult, SyncCall
+from weightsync.wire.messages import SendResult, SourceLayout, SyncCall
 from weightsync.wire.settings import SyncSettings
 
 
@@ -295,6 +295,10 @@ class ShardedSender(WeightSender):
             return None
         mesh = found[0].device_mesh
         return mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
+
+    def layout(self) -> SourceLayout:
+        group = self._group()
+        return SourceLayout(sharded=True, mesh_size=dist.get_world_size(group), mesh_rank=dist.get_rank(group))
 
     @property
     def peers(self) -> tuple[str, ...]:
