@@ -250,6 +250,10 @@ def gather_bucket(tensors: Sequence[torch.Tensor], indices: range, wait: _Wait) 
         for i, work, full, n in pending:
             wait(work, f"gathering tensor {i} from the trainer's ranks")
             out[i] = full[:n]
+        if pending and pending[0][2].is_cuda:
+            # gloo stages CUDA tensors through host memory and orders its copy back only
+            # before the current stream; the packing streams read the bucket too.
+            torch.cuda.current_stream(pending[0][2].device).synchronize()
     return dict(sorted(out.items()))
 
 
