@@ -60,6 +60,49 @@ def fsdp_lm(seed: int = 0, mixed: bool = False, **shape: Any) -> nn.Module:
     return model
 
 
+def fsdp_lm_cuda(seed: int = 0, **shape: Any) -> nn.Module:
+    """One rank of ranks sharing one GPU: gloo (NCCL refuses two ranks on one GPU) on a
+    ``cuda`` mesh. CUDA is initialized (the model is built there) before the mesh exists,
+    so DeviceMesh keeps device 0 instead of setting the device from ``LOCAL_RANK``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(seed)
+    model = TinyLM(**shape).to("cuda")
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def perturb_shards(model: nn.Module, seed: int) -> None:
+    """Each rank writes new random bits into its own shard (a stand-in for training that
+    needs no collective): a sync must assemble every rank's part."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    with torch.no_grad():
+        for t in model.parameters():
+            if not isinstance(t, DTensor):
+                continue  # replicated: every rank must keep the same bits
+            local = t.to_local()
+            local.copy_(torch.randn(local.shape, generator=gen).to(local.dtype).to(local.device))
+
+
+def full_state_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.cpu() for n, t in full_state(model).items()}
+
+
+def state_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.cpu() for n, t in state(model).items()}
+
+
 def train(model: nn.Module, steps: int, seed: int) -> float:
     """A few Adam steps on the same random batch on every rank (FSDP reduces the grads)."""
     opt = getattr(model, "_test_opt", None)

@@ -21,6 +21,8 @@ from weightsync.cli import build_parser
         (["bench", "--transports", ","], "--transports", "at least one"),
         (["bench", "--sizes", "1mb,3tb"], "--sizes", "3tb"),
         (["bench", "--buffer-mib", "256,0"], "--buffer-mib", "0"),
+        (["bench", "--sharded-ranks", "2,0"], "--sharded-ranks", "0"),
+        (["bench", "--sharded-ranks", "two"], "--sharded-ranks", "two"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_option(
@@ -46,3 +48,6 @@ def test_good_values_parse() -> None:
     assert (args.steps, args.workers, args.buffer_mib) == (1, 3, 512 * 1024)
     bench = build_parser().parse_args(["bench", "--repeats", "2", "--transports", "ipc,direct", "--sizes", "1mb"])
     assert (bench.repeats, bench.transports, bench.sizes) == (2, ["ipc", "direct"], ["1mb"])
+    assert bench.sharded_ranks is None  # the run picks its default (CPU: 2 ranks)
+    ranks = build_parser().parse_args(["bench", "--sharded-ranks", "2,3"]).sharded_ranks
+    assert (ranks, build_parser().parse_args(["bench", "--sharded-ranks", "none"]).sharded_ranks) == ([2, 3], [])

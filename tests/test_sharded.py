@@ -22,10 +22,12 @@ import torch
 from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
-from weightsync import WeightSync, WorkerActor
+from weightsync import TrainerActor, WeightSync, WorkerActor
 from weightsync.actors import _Trainer, trainer_ranks
-from weightsync.ranks import RankSpec
+from weightsync.ranks import RankSpec, TrainerRanks
 from weightsync.wire.errors import SettingsError, SetupError, SyncError
+from weightsync.wire.messages import SourceLayout
+from weightsync.wire.settings import SyncSettings
 
 # Many small tensors (about 8.5 MB in all, none over 132 KB), so a bucket of 256 KiB is a
 # small part of the model and the memory bound below means something.
@@ -187,6 +189,41 @@ def test_bad_rank_layouts_are_refused_naming_the_rank_or_worker(two: dict[str, A
         assert disagree.value.culprits == ["trainer-rank-1"] and "extra" in str(disagree.value)
     finally:
         get(ranks[1].call.remote(fm.drop_buffer))
+
+
+def test_a_plain_rank_among_sharded_ones_is_refused_at_setup_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:
+    """Rank 0 holds FSDP2 DTensors, "rank 1" the same model unsharded: the manifests match
+    (both describe the full model), so only the layouts tell; without the check the first
+    sync would wait in rank 0's gather until its deadline."""
+    plain = pool.add(TrainerActor.options(num_cpus=0).remote(partial(fm.plain_lm, tied=True, **SHAPE)))
+    ranks = [two["ranks"][0], plain]
+    names = ["trainer-rank-0", "trainer-rank-1"]
+    made = get([r.ws_manifest.remote(SyncSettings(buffer_bytes=BUFFER), n, names) for n, r in zip(names, ranks)])
+    assert made[0].value == made[1].value  # what the layout check is for
+    ws = WeightSync(ranks, {"b0": two["workers"]["b0"]}, transport="broadcast", timeout_s=30)
+    with pytest.raises(SetupError) as refused:
+        ws.setup()
+    err = refused.value
+    assert err.culprits == ["trainer-rank-1"]
+    assert err.outcomes["trainer-rank-1"].phase == "layout"
+    assert "trainer-rank-1" in str(err) and "DTensors" in str(err)
+
+
+def test_mixed_layouts_blame_the_odd_ranks() -> None:
+    names = ["trainer-rank-0", "trainer-rank-1", "trainer-rank-2"]
+    ranks = TrainerRanks([object(), object(), object()])
+    sharded = [SourceLayout(sharded=True, mesh_size=2, mesh_rank=r) for r in range(2)]
+    plain = SourceLayout(sharded=False)
+    assert ranks.mixed_layouts(dict(zip(names, [*sharded, sharded[0]]))) == {}
+    assert ranks.mixed_layouts(dict(zip(names, [plain] * 3))) == {}
+    assert sorted(ranks.mixed_layouts(dict(zip(names, [*sharded, plain])))) == ["trainer-rank-2"]
+    assert sorted(ranks.mixed_layouts(dict(zip(names, [plain, plain, sharded[0]])))) == ["trainer-rank-2"]
+    # A majority of plain ranks blames the sharded one, even when it is rank 0.
+    assert sorted(ranks.mixed_layouts(dict(zip(names, [sharded[0], plain, plain])))) == ["trainer-rank-0"]
+    two = TrainerRanks([object(), object()])
+    assert sorted(two.mixed_layouts(dict(zip(names, [plain, sharded[1]])))) == ["trainer-rank-1"]
+    with pytest.raises(Exception, match="mesh"):
+        SourceLayout(sharded=False, mesh_size=2)
 
 
 def test_three_ranks_mixed_dtensor_and_plain_model_with_a_bf16_wire(three: dict[str, Any]) -> None:

@@ -46,7 +46,16 @@ from weightsync.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.transport.gloo import GlooCommunicator, open_store
 from weightsync.wire.errors import SettingsError, SyncError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import DirectExport, EndpointInfo, GroupSpec, IpcExport, PushExport, PushResult, SyncCall
+from weightsync.wire.messages import (
+    DirectExport,
+    EndpointInfo,
+    GroupSpec,
+    IpcExport,
+    PushExport,
+    PushResult,
+    SourceLayout,
+    SyncCall,
+)
 from weightsync.wire.outcome import Outcome, Status, assign_blame, describe_failure, failed, ok
 from weightsync.wire.settings import SyncSettings
 from weightsync.wire.sizing import BufferHints, free_memory_bytes
@@ -154,6 +163,16 @@ class TrainerMixin:
             return sender.manifest(settings, hints)
 
         return _answer(party, "manifest", build)
+
+    def ws_layout(self, party: str = "trainer") -> Outcome:
+        """Whether this rank's model is sharded (DTensors) and over which mesh: the ranks of one
+        trainer must agree (a plain rank among sharded ones would never join their gathers)."""
+
+        def layout() -> SourceLayout:
+            sender = self._ws()
+            return sender.layout() if isinstance(sender, ShardedSender) else SourceLayout(sharded=False)
+
+        return _answer(party, "layout", layout)
 
     def ws_open_store(self, world_size: int, timeout_s: float, host: str) -> Outcome:
         def open_it() -> tuple[str, int]:

@@ -53,3 +53,8 @@ def comma_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 def positive_int_list(value: str) -> list[int]:
     """Comma-separated whole numbers, each at least 1."""
     return [positive_int(part) for part in value.split(",")]
+
+
+def positive_int_list_or_none(value: str) -> list[int]:
+    """``none`` (an empty list: the cases are off) or comma-separated whole numbers, each at least 1."""
+    return [] if value.strip().lower() == "none" else positive_int_list(value)

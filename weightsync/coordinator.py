@@ -251,11 +251,20 @@ class WeightSync:
             "building the manifest",
         )
         manifest: Manifest = made[ranks.lead].value
-        refused = ranks.disagreeing({r: made[r].value for r in ranks.names})
+        layouts = None
+        if ranks.sharded:
+            laid = self._step(
+                {(r, "layout"): h.ws_layout.remote(r) for r, h in ranks.parties().items()},
+                "describing the trainer's ranks",
+            )
+            layouts = {r: laid[r].value for r in ranks.names}
+        refused = ranks.disagreeing({r: made[r].value for r in ranks.names}, layouts)
         if refused:
             self._teardown(abort=True)
             culprits = sorted(refused)
-            raise SetupError(describe_failure("setup refused the trainer's ranks", refused, culprits), refused, culprits)
+            raise SetupError(
+                describe_failure("setup refused the trainer's ranks", refused, culprits), refused, culprits
+            )
         self._step(
             {(w.name, "accept"): w.handle.ws_accept.remote(manifest, w.name) for w in self._workers.values()},
             "in the handshake, before any byte moved",

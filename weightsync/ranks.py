@@ -28,7 +28,7 @@ from typing import Any
 from weightsync.choice import choose_transport, same_device
 from weightsync.wire.errors import SettingsError
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import EndpointInfo, SyncCall
+from weightsync.wire.messages import EndpointInfo, SourceLayout, SyncCall
 from weightsync.wire.outcome import Outcome, failed
 
 RANK_PREFIX = "trainer-rank-"
@@ -138,13 +138,39 @@ class TrainerRanks:
             )
         return rank, transport
 
-    def disagreeing(self, manifests: Mapping[str, Manifest]) -> dict[str, Outcome]:
-        """A failed outcome per rank whose manifest differs from rank 0's, naming what differs."""
-        base = manifests[self.lead]
+    def mixed_layouts(self, layouts: Mapping[str, SourceLayout]) -> dict[str, Outcome]:
+        """A failed outcome per rank whose model is sharded while most ranks' are plain, or
+        plain while most are sharded (a tie: those that differ from rank 0). The manifests
+        of such ranks match (both describe the full model), but a plain rank never joins
+        the sharded ranks' gathers: the first sync would hang to its deadline."""
+        sharded = [n for n in self.names if layouts[n].sharded]
+        plain = [n for n in self.names if not layouts[n].sharded]
+        if not sharded or not plain:
+            return {}
+        lead_sharded = layouts[self.lead].sharded
+        odd = plain if len(sharded) > len(plain) or (len(sharded) == len(plain) and lead_sharded) else sharded
+        others = sharded if odd is plain else plain
         out: dict[str, Outcome] = {}
+        for name in odd:
+            mine = "holds DTensors (a sharded model)" if layouts[name].sharded else "holds no DTensors (a plain model)"
+            theirs = "hold DTensors" if odd is plain else "hold plain tensors"
+            why = (
+                f"its model {mine}, while {', '.join(others)} {theirs}: every rank of one trainer must hold "
+                "the same model, sharded the same way (did its model factory skip fully_shard?)"
+            )
+            out[name] = failed(name, "layout", SettingsError(why))
+        return out
+
+    def disagreeing(
+        self, manifests: Mapping[str, Manifest], layouts: Mapping[str, SourceLayout] | None = None
+    ) -> dict[str, Outcome]:
+        """A failed outcome per rank whose model is sharded unlike the others' (``layouts``,
+        see :meth:`mixed_layouts`) or whose manifest differs from rank 0's, naming what differs."""
+        out = self.mixed_layouts(layouts) if layouts is not None else {}
+        base = manifests[self.lead]
         for name in self.names[1:]:
             other = manifests[name]
-            if other == base:
+            if other == base or name in out:
                 continue
             mine, theirs = {x.name: x for x in other.specs}, {x.name: x for x in base.specs}
             diff = [f"{n} only on {name}" for n in mine if n not in theirs]

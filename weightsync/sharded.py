@@ -60,7 +60,7 @@ from weightsync.wire.errors import (
     WeightSyncError,
 )
 from weightsync.wire.manifest import Manifest
-from weightsync.wire.messages import SendResult, SyncCall
+from weightsync.wire.messages import SendResult, SourceLayout, SyncCall
 from weightsync.wire.settings import SyncSettings
 from weightsync.wire.sizing import BufferHints
 
@@ -251,6 +251,10 @@ def gather_bucket(tensors: Sequence[torch.Tensor], indices: range, wait: _Wait) 
         for i, work, full, n in pending:
             wait(work, f"gathering tensor {i} from the trainer's ranks")
             out[i] = full[:n]
+        if pending and pending[0][2].is_cuda:
+            # gloo stages CUDA tensors through host memory and orders its copy back only
+            # before the current stream; the packing streams read the bucket too.
+            torch.cuda.current_stream(pending[0][2].device).synchronize()
     return dict(sorted(out.items()))
 
 
@@ -296,6 +300,10 @@ class ShardedSender(WeightSender):
             return None
         mesh = found[0].device_mesh
         return mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
+
+    def layout(self) -> SourceLayout:
+        group = self._group()
+        return SourceLayout(sharded=True, mesh_size=dist.get_world_size(group), mesh_rank=dist.get_rank(group))
 
     @property
     def peers(self) -> tuple[str, ...]:

@@ -12,7 +12,9 @@ Everything is measured in one run, on one cluster, with the same actors:
 * the reference file's design: one IPC slot, strictly serialized, two Ray round trips per
   chunk (pack on the trainer, then consume on the worker);
 * the Ray object store: ``ray.put`` of the state dict on the trainer, ``ray.get`` on the
-  worker, copied into its parameters.
+  worker, copied into its parameters;
+* a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
+  (gloo), synced to the same workers (:mod:`~weightsync.bench.sharded`).
 
 Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
 GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
@@ -29,7 +31,7 @@ import argparse
 import os
 
 from weightsync.bench.driver import Bench
-from weightsync.cli_types import comma_list, positive_int, positive_int_list
+from weightsync.cli_types import comma_list, positive_int, positive_int_list, positive_int_list_or_none
 from weightsync.models import SIZES
 
 #: The case groups ``--transports`` selects.
@@ -60,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=positive_int, default=2, help="workers (broadcast receivers); colocated cases use the first"
     )
+    parser.add_argument(
+        "--sharded-ranks",
+        type=positive_int_list_or_none,
+        default=None,
+        help="rank counts of the sharded (FSDP2, gloo) trainer cases, e.g. 2,4; 'none' skips them (default: cpu 2)",
+    )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument("--quick", action="store_true", help="skip the buffer-size / buffer-count sweep")
     parser.add_argument(
@@ -76,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.sizes is None:
         args.sizes = ["100mb", "1gb", "16gb"] if args.device == "cuda" else ["1mb", "100mb", "1gb"]
+    if args.sharded_ranks is None:
+        args.sharded_ranks = [] if args.device == "cuda" else [2]
     if args.buffer_mib is None:
         args.buffer_mib = [256, 64, 1024, 2048]
         # The main cases run at the library's defaults; on a CPU the knob sweep is opt-in

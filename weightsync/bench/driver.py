@@ -14,6 +14,7 @@ from typing import Any
 
 import weightsync.bench.probes as probes
 from weightsync.bench.report import MIB, Case, header, plot, ratios, show, write_json
+from weightsync.bench.sharded import sharded_cases
 from weightsync.models import PolicyFactory
 from weightsync.wire.errors import WeightSyncError
 from weightsync.wire.settings import SyncSettings
@@ -28,6 +29,12 @@ class Bench:
         self.cases: list[Case] = []
         self.summary: list[str] = []
         self.timeout = args.timeout
+        self._version = 0
+
+    def next_version(self) -> int:
+        """One counter for every case: the workers are shared and refuse an older version."""
+        self._version += 1
+        return self._version
 
     def get(self, ref: Any) -> Any:
         return self.ray.get(ref, timeout=self.timeout)
@@ -117,7 +124,6 @@ class Bench:
             )
         )
         show(self.cases[-1])
-        version = [0]
 
         def sync_case(
             name: str,
@@ -150,8 +156,7 @@ class Bench:
             case = Case(size, name, nbytes, built.buffer_bytes // MIB, nbuf, limit_s=limit, note=note)
 
             def one() -> float:
-                version[0] += 1
-                report = ws.sync(version[0])
+                report = ws.sync(self.next_version())
                 case.send_times.append(report.send_seconds)
                 return report.seconds
 
@@ -173,6 +178,7 @@ class Bench:
                     if buffer_mib * MIB <= max(2 * nbytes, first * MIB):
                         sync_case("weightsync ipc (knobs)", "ipc", buffer_mib, nbuf, copy_s, workers[:1])
             self.reference_case(size, trainer, workers[0], nbytes, copy_s, first)
+        raw: float | None = None
         if "broadcast" in args.transports and not cuda:
             raw = self.gloo_case(size, trainer, workers, nbytes, per_tensor=False)
             for n in sorted({1, len(workers)}):
@@ -191,6 +197,10 @@ class Bench:
                 for nbuf in (1, 3):
                     sync_case("weightsync broadcast (knobs)", "broadcast", first, nbuf, raw, workers)
             self.gloo_case(size, trainer, workers, nbytes, per_tensor=True, limit=raw)
+        if args.sharded_ranks and cuda:
+            print(f"{size:>6} {'sharded trainer cases':<34} skipped: CPU only (gloo ranks)", flush=True)
+        elif args.sharded_ranks:
+            sharded_cases(self, size, workers, nbytes, {"broadcast": raw, "direct": copy_s, "ipc": copy_s})
         if cuda and "naive" in args.transports:
 
             def naive() -> None:
@@ -219,15 +229,12 @@ class Bench:
         base = self.memory_base([trainer, worker])
         ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout)
         ws.setup()
-        version = [10**9]
 
         def by_sync() -> float:
-            version[0] += 1
-            return ws.sync(version[0]).seconds
+            return ws.sync(self.next_version()).seconds
 
         def in_trainer() -> float:
-            version[0] += 1
-            return float(self.get(trainer.push_seconds.remote(version[0])))
+            return float(self.get(trainer.push_seconds.remote(self.next_version())))
 
         self.timed(
             Case(size, "weightsync direct push, 1 Ray call", nbytes, limit_s=copy_s), by_sync, [trainer, worker], base

@@ -51,6 +51,27 @@ class EndpointInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SourceLayout:
+    """How one trainer rank holds its model: ``sharded`` (DTensors, over a mesh of
+    ``mesh_size`` ranks, this one at ``mesh_rank``) or plain (every tensor whole: 0, 0).
+    The ranks of one trainer must all be sharded the same way, or all plain."""
+
+    sharded: bool
+    mesh_size: int = 0
+    mesh_rank: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.sharded, bool), f"sharded must be a bool, got {self.sharded!r}")
+        _require(_is_int(self.mesh_size) and _is_int(self.mesh_rank), "mesh size and rank must be ints")
+        if self.sharded:
+            _require(
+                0 <= self.mesh_rank < self.mesh_size, f"mesh rank {self.mesh_rank} out of range for {self.mesh_size}"
+            )
+        else:
+            _require(self.mesh_size == 0 and self.mesh_rank == 0, "a plain (unsharded) source has no mesh")
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupSpec:
     """A broadcast group to join: rendezvous address, this rank, and the timeout."""
 

@@ -1,0 +1,76 @@
+"""A sharded trainer on one GPU: two FSDP2 ranks share it over gloo, with colocated workers.
+
+NCCL refuses two ranks on one GPU, so the ranks' group is gloo on a ``cuda`` mesh: torch's
+gloo backend stages CUDA tensors through pinned host memory for the collectives a sync needs
+(``all_gather_into_tensor`` = ``_allgather_base`` and ``all_reduce``, both with CUDA work
+classes in ProcessGroupGloo). Training would add FSDP2's reduce-scatter, which gloo runs as
+an all-reduce; the test changes the shards directly instead, each rank its own part, so
+only the collectives weightsync itself issues are exercised.
+
+Marked ``cuda``: skipped without a GPU. Rank 0 writes an ipc worker, rank 1 a direct one
+(CUDA IPC between actors at a quarter GPU each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from tests import fsdp_model as fm
+from tests.conftest import RAY_TIMEOUT, ActorPool
+from tests.helpers import assert_bit_equal
+from weightsync import TrainerActor, WeightSync, WorkerActor
+from weightsync.ranks import RankSpec
+
+pytestmark = pytest.mark.cuda
+
+SHAPE = {"vocab": 64, "dim": 128, "blocks": 8, "tied": True}
+BUFFER = 256 * 1024
+
+
+def get(ref: Any) -> Any:
+    return ray.get(ref, timeout=RAY_TIMEOUT)
+
+
+def shard_devices(model: torch.nn.Module) -> set[str]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        f"{type(p).__name__}:{(p.to_local() if isinstance(p, DTensor) else p).device.type}" for p in model.parameters()
+    }
+
+
+def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_and_direct_workers(actors: ActorPool) -> None:
+    opts = {"num_cpus": 0, "num_gpus": 0.25}
+    # Both ranks see the one GPU as device 0: LOCAL_RANK must not point DeviceMesh elsewhere.
+    specs = [replace(spec, local_rank=0) for spec in RankSpec.group(2)]
+    ranks = [
+        actors.add(TrainerActor.options(**opts).remote(partial(fm.fsdp_lm_cuda, **SHAPE), device="cuda", rank=spec))
+        for spec in specs
+    ]
+    worker = partial(fm.plain_lm, **SHAPE)
+    workers = {name: actors.add(WorkerActor.options(**opts).remote(worker, device="cuda")) for name in ("i0", "d1")}
+    assert get(ranks[0].call.remote(shard_devices)) == {"DTensor:cuda"}
+    transports = {"i0": "ipc", "d1": "direct"}
+    with WeightSync(
+        ranks, workers, transport=transports, worker_ranks={"d1": 1}, buffer_bytes=BUFFER, timeout_s=60
+    ) as ws:
+        assert ws.transports() == transports
+        assert len(ws.manifest.chunks) > 2  # type: ignore[union-attr]  # several buckets per walk
+        for version in (1, 2):
+            get([r.call.remote(fm.perturb_shards, version) for r in ranks])
+            ws.sync(version, verify=version == 2)
+            fulls = get([r.call.remote(fm.full_state_cpu) for r in ranks])
+            for name, full in fulls[0].items():
+                assert_bit_equal(fulls[1][name], full, f"rank 1: {name}")
+            for name_w, handle in workers.items():
+                held = get(handle.call.remote(fm.state_cpu))
+                assert held.keys() == fulls[0].keys(), name_w
+                for name, full in fulls[0].items():
+                    assert_bit_equal(held[name], full, f"{name_w}: {name}")
+        ws.verify()
