@@ -95,6 +95,24 @@ def perturb_shards(model: nn.Module, seed: int) -> None:
             local.copy_(torch.randn(local.shape, generator=gen).to(local.dtype).to(local.device))
 
 
+def local_shards_cpu(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """Every parameter and buffer as this rank holds it: (global offset, local part) on the
+    CPU, with no collective (``full_tensor()`` of a CUDA DTensor over gloo kills the ranks
+    in torch 2.11; weightsync's own gather goes through ``all_gather_into_tensor``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if isinstance(t, DTensor):
+                _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                out[name] = (tuple(offset), t.to_local().detach().cpu())
+            else:
+                out[name] = ((0,) * t.dim(), t.detach().cpu())
+    return out
+
+
 def full_state_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.cpu() for n, t in full_state(model).items()}
 

@@ -65,12 +65,17 @@ def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_and_direct_workers(actors: A
         for version in (1, 2):
             get([r.call.remote(fm.perturb_shards, version) for r in ranks])
             ws.sync(version, verify=version == 2)
-            fulls = get([r.call.remote(fm.full_state_cpu) for r in ranks])
-            for name, full in fulls[0].items():
-                assert_bit_equal(fulls[1][name], full, f"rank 1: {name}")
+            shards = get([r.call.remote(fm.local_shards_cpu) for r in ranks])
             for name_w, handle in workers.items():
                 held = get(handle.call.remote(fm.state_cpu))
-                assert held.keys() == fulls[0].keys(), name_w
-                for name, full in fulls[0].items():
-                    assert_bit_equal(held[name], full, f"{name_w}: {name}")
+                assert held.keys() == shards[0].keys(), name_w
+                for name, full in held.items():
+                    covered = 0
+                    for rank, mine in enumerate(shards):
+                        offset, local = mine[name]
+                        part = full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))]
+                        assert_bit_equal(part, local, f"{name_w}: {name} against rank {rank}'s part")
+                        covered += local.numel()
+                    # Each Shard(0) part is covered once; a replicated tensor once per rank.
+                    assert covered in (full.numel(), len(ranks) * full.numel()), f"{name_w}: {name}"
         ws.verify()

@@ -247,7 +247,10 @@ class WeightSync:
             culprits = sorted(choices)
             raise SetupError(describe_failure("setup refused a transport", choices, culprits), choices, culprits)
         made = self._step(
-            {(r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names, self._hints(infos)) for r, h in ranks.parties().items()},
+            {
+                (r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names, self._hints(infos))
+                for r, h in ranks.parties().items()
+            },
             "building the manifest",
         )
         manifest: Manifest = made[ranks.lead].value
