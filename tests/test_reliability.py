@@ -402,7 +402,9 @@ def test_200_syncs_grow_no_host_memory_segments_or_descriptors(actors: Any) -> N
         assert leftover_segments() == segments == []
         for name in before:
             (rss0, fds0), (rss1, fds1) = before[name], after[name]
-            assert fds1 <= fds0, f"{name}: open descriptors grew {fds0} -> {fds1}"
+            # A descriptor per sync would add 180; Ray's own connections in the actor's
+            # process come and go by one or two on a loaded machine (seen: 44 -> 45, 51 -> 52).
+            assert fds1 <= fds0 + 4, f"{name}: open descriptors grew {fds0} -> {fds1} over 180 syncs"
             assert rss1 - rss0 < 16 * 1024, f"{name}: resident memory grew {rss0} -> {rss1} kB"
         assert_workers_match(trainer, list(workers.values()))
 
