@@ -115,6 +115,26 @@ def test_a_frozen_listening_worker_is_named_timed_out(actors: Any) -> None:
         assert_workers_match(trainer, workers)
 
 
+def test_an_in_trainer_push_names_a_worker_whose_tensors_moved_and_sync_repairs_it(actors: Any) -> None:
+    """A reload gave a worker's tensor new storage: the push writes nothing there and says
+    so by name (never a silent success); the coordinator's sync exports it again."""
+    from tests.test_direct import Worker as MovingWorker
+
+    trainer = actors.add(ray.remote(PushingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
+    worker = actors.add(ray.remote(MovingWorker).options(num_cpus=0).remote(functools.partial(MixedModel, seed=1)))
+    with WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=30) as ws:
+        ws.sync(version=1)
+        name = next(n for n in ws.manifest.names if n.endswith("weight"))  # type: ignore[union-attr]
+        old = get(worker.move_storage.remote(name, False, 7))
+        with pytest.raises(SyncError) as failure:
+            get(trainer.train_and_push.remote(2))
+        assert failure.value.culprits == ["worker-0"] and name in str(failure.value)
+        assert failure.value.held == {"worker-0": (1, "committed")}
+        assert get(worker.old_values.remote()) == old  # the stale storage was never written
+        ws.sync(version=3)
+        assert_workers_match(trainer, [worker])
+
+
 def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) -> None:
     trainer, workers = parties(actors, n=2)
     loader = actors.add(

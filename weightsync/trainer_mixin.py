@@ -22,7 +22,7 @@ from weightsync.push import Pusher
 from weightsync.sender import WeightSender
 from weightsync.sharded import ShardedSender, has_dtensors
 from weightsync.transport.gloo import open_store
-from weightsync.wire.errors import SettingsError, SyncError
+from weightsync.wire.errors import SettingsError, SyncError, WeightSyncError
 from weightsync.wire.manifest import Manifest
 from weightsync.wire.messages import (
     DirectExport,
@@ -164,11 +164,27 @@ class TrainerMixin:
                 return self.weightsync_push(version=step)
 
         Raises :class:`~weightsync.wire.errors.SyncError` naming the culprits when any worker
-        failed; run ``WeightSync.setup()`` from the driver before the next push then.
+        failed (run ``WeightSync.setup()`` from the driver before the next push then), or
+        naming the workers whose tensors moved since their export, which were not written
+        (a reload replaced them): ``WeightSync.sync()`` from the driver exports them again.
         """
         result = self._ws_push(SyncCall(seq=0, version=version, verify=verify, force=force))
         if result.setup_needed:
-            raise SettingsError("an earlier push failed: run WeightSync.setup() before pushing again")
+            raise WeightSyncError("an earlier push failed: run WeightSync.setup() before pushing again")
+        stale = {n: a.outcome.value.stale for n, a in result.workers.items() if a.outcome.ok and a.outcome.value.stale}
+        if result.ok and stale:
+            outcomes = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+            held = {n: (a.version, a.state) for n, a in result.workers.items()}
+            moved = "; ".join(f"{n}: {', '.join(names)}" for n, names in sorted(stale.items()))
+            raise SyncError(
+                f"push of version {version} did not write worker(s) whose tensors moved since their export "
+                f"({moved}); their weights are unchanged. Run WeightSync.sync() from the driver, which "
+                "exports them again",
+                outcomes,
+                sorted(stale),
+                (),
+                held,
+            )
         if not result.ok:
             outcomes = {"trainer": result.sent, **{n: a.outcome for n, a in result.workers.items()}}
             culprits = assign_blame(outcomes)
