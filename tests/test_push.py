@@ -159,11 +159,13 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     """In one process, no Ray: while code reading the weights holds the receiver's gate, a
     push cannot write; it times out naming the worker, and the weights stay as they were."""
     import threading
+    import time
 
     from tests.helpers import state_of
     from weightsync.push import Pusher
     from weightsync.receiver import WeightReceiver
     from weightsync.sender import WeightSender
+    from weightsync.transport.mailbox import ANSWERED
     from weightsync.wire import SyncSettings
     from weightsync.wire.messages import SyncCall
 
@@ -192,7 +194,17 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
         assert not result.ok
         assert result.workers["reader"].outcome.status is Status.TIMED_OUT
         assert result.sent.blames == ("reader",)
-        assert receiver.listener is not None and receiver.listener.join(0) is False  # still serving
+        # Once the reader lets go, the late listener finds the sync abandoned and says so,
+        # writing nothing (bounded wait for its answer in the mailbox).
+        listener = receiver.listener
+        assert listener is not None
+        control = listener.mailbox.control
+        deadline = time.monotonic() + 30
+        while control[ANSWERED] != 1:
+            assert time.monotonic() < deadline, "the listener never answered the abandoned sync"
+            time.sleep(0.01)
+        late = listener.mailbox.answer()
+        assert late.outcome.error == "PeerAborted" and late.state == "committed"
     finally:
         receiver.close_transports(abort=True)
         pusher.close()

@@ -16,16 +16,16 @@ are never read while they are written. Life of one listener::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from weightsync.transport.mailbox import Doorbell, Mailbox, ring
+from weightsync.transport.mailbox import STOP, Doorbell, Mailbox, ring
+from weightsync.wire.errors import WeightSyncError
 from weightsync.wire.messages import PushAnswer, PushExport, ReceiveResult, SyncCall
 from weightsync.wire.outcome import failed, ok
 
@@ -54,7 +54,6 @@ class Listener:
         self.doorbell = Doorbell()
         self._stop = threading.Event()
         self.busy = False
-        self.served = 0
         self._thread = threading.Thread(target=self._run, name=f"weightsync-listener-{name}", daemon=True)
         self._thread.start()
 
@@ -67,37 +66,56 @@ class Listener:
         self.mailbox.control.unlink()
 
     def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        last = -1
-        while not self._stop.is_set():
-            self.doorbell.wait(_IDLE_S)
-            posted = self.mailbox.posted()
-            if self._stop.is_set() or posted is None or posted[0] == last:
-                continue
-            seq, version, verify, force = posted
-            last = seq
-            self._serve(
-                SyncCall(seq=seq, version=version, verify=verify, force=force, direct=(self.name,), kinds=("direct",))
-            )
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            last = -1
+            while not self._stop.is_set():
+                self.doorbell.wait(_IDLE_S)
+                posted = self.mailbox.posted()
+                if self._stop.is_set() or posted is None or posted[0] == last:
+                    continue
+                seq, version, verify, force = posted
+                last = seq
+                call = SyncCall(seq=seq, version=version, verify=verify, force=force, direct=(self.name,))
+                self._serve(replace(call, kinds=("direct",)))
+        except BaseException as exc:  # logged; STOP below tells the trainer at once
+            log.error("weightsync: %s's listener ended: %s", self.name, exc, exc_info=exc)
+        finally:
+            self.mailbox.control[STOP] = 1
 
     def _serve(self, call: SyncCall) -> None:
-        with self._gate:
-            self.busy = True
-            try:
-                result = self._receive(call)
-                # The trainer compared checksums itself; the answer stays small.
-                outcome = ok(self.name, "receive", replace(result, checksums=[]))
-            except Exception as exc:  # noqa: BLE001 - the failure travels to the trainer as data
-                outcome = failed(self.name, "receive", exc)
-            finally:
-                self.busy = False
-            version, state = self._status()
+        # Claimed before waiting for the gate, so a teardown meanwhile sees it busy and aborts
+        # the transport, and re-checked once the gate is held: a stopped listener writes nothing.
+        self.busy = True
         try:
-            self.mailbox.reply(call.seq, PushAnswer(outcome=outcome, version=version, state=state))
-        except Exception as exc:  # noqa: BLE001 - the trainer's wait names this worker as late
-            log.error("weightsync: %s could not answer sync %d: %s", self.name, call.seq, exc)
-        self.served += 1
+            with self._gate:
+                try:
+                    if self._stop.is_set():
+                        raise WeightSyncError(f"{self.name}: its listener was stopped before sync {call.seq}")
+                    result = self._receive(call)
+                    # The trainer compared checksums itself; the answer stays small.
+                    outcome = ok(self.name, "receive", replace(result, checksums=[]))
+                except BaseException as exc:  # noqa: BLE001 - the failure travels to the trainer as data
+                    outcome = failed(self.name, "receive", exc)
+                version, state = self._status()
+        finally:
+            self.busy = False
+        self.mailbox.reply(call.seq, self._fitted(PushAnswer(outcome=outcome, version=version, state=state)))
+
+    def _fitted(self, answer: PushAnswer) -> PushAnswer:
+        """``answer``, shortened to fit the mailbox: a long list of moved tensors or a long
+        error message keeps its head and says how much was left out."""
+        if self.mailbox.fits(answer) is not None:
+            return answer
+        outcome = answer.outcome
+        if outcome.ok and outcome.value.stale:
+            moved = outcome.value.stale
+            head = (*moved[:20], f"... and {len(moved) - 20} more")
+            outcome = replace(outcome, value=replace(outcome.value, stale=head))
+        else:
+            outcome = replace(outcome, message=outcome.message[:4000] + " ... (cut to fit the mailbox)")
+        return replace(answer, outcome=outcome)
 
     def stop(self) -> None:
         """Ask the thread to end; it answers a sync in flight first."""
@@ -119,10 +137,3 @@ class Listener:
         self.doorbell.close()
         self.mailbox.control.close()
         return True
-
-
-@contextlib.contextmanager
-def holding(gate: threading.RLock) -> Iterator[None]:
-    """Hold ``gate`` for the block: the weights are not written meanwhile."""
-    with gate:
-        yield

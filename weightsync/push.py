@@ -14,8 +14,10 @@ inside the trainer's own method, for a loop that trains and pushes in one call. 
 
 The trainer names a worker whose process ended as dead and one that never answered as
 timed out, exactly as the coordinator does for Ray calls, so blame and settling work the
-same way. After a failed push the transports are aborted: the next push answers
-``setup_needed`` until ``WeightSync.setup()`` (``WeightSync.sync`` does that itself).
+same way; a worker whose listener is gone (its doorbell refuses, its mailbox says it
+stopped) is answered at once, not at the deadline. A failing side aborts its own transport;
+after a failed push this pusher answers ``setup_needed`` until ``WeightSync.setup()``
+(``WeightSync.sync`` does that itself).
 """
 
 from __future__ import annotations
@@ -79,29 +81,41 @@ class Pusher:
             )
         call = replace(call, seq=self.seq, kinds=("direct",))
         self.seq += 1
+        answers: dict[str, PushAnswer] = {}
         for worker in call.direct:
             box = self._boxes[worker]
-            box.mailbox.post(call)
-            try:
-                self._sock.sendto(b"!", box.export.doorbell)
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass  # its listener is gone: the writer's wait names the worker (pid watch)
+            if not box.mailbox.stopped:
+                box.mailbox.post(call)
+                try:
+                    self._sock.sendto(b"!", box.export.doorbell)
+                    continue
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            why = WeightSyncError(f"{worker}: its listener is gone (nobody answers its doorbell); run setup() again")
+            answers[worker] = PushAnswer(outcome=failed(worker, "receive", why), version=None, state="unknown")
+        live = tuple(w for w in call.direct if w not in answers)
         try:
-            sent = ok(self.name, "send", send(call))
-        except Exception as exc:  # noqa: BLE001 - travels as data, with the workers' answers
-            sent = failed(self.name, "send", exc)
-        answers = {worker: self._collect(worker, call.seq, deadline) for worker in call.direct}
-        result = PushResult(version=call.version, sent=sent, workers=answers, seconds=time.perf_counter() - start)
-        if not result.ok:
+            try:
+                sent = ok(self.name, "send", send(replace(call, direct=live)) if live else SendResult())
+            except Exception as exc:  # noqa: BLE001 - travels as data, with the workers' answers
+                sent = failed(self.name, "send", exc)
+            for worker in live:
+                answers[worker] = self._collect(worker, call.seq, deadline)
+            result = PushResult(version=call.version, sent=sent, workers=answers, seconds=time.perf_counter() - start)
+        finally:
+            # Anything short of a clean result leaves the transports to a new setup.
             self.broken = True
+        self.broken = not result.ok
         return result
 
     def _collect(self, worker: str, seq: int, deadline: float) -> PushAnswer:
+        """``worker``'s answer to push ``seq``; its death, silence or lost listener as data."""
         box = self._boxes[worker]
-        control = box.mailbox.control
+        mailbox = box.mailbox
+        control = mailbox.control
         try:
             control.wait(
-                lambda: control[ANSWERED] == seq + 1,
+                lambda: control[ANSWERED] == seq + 1 or mailbox.stopped,
                 deadline,
                 self.name,
                 lambda: f"{worker}'s answer to push {seq}",
@@ -109,13 +123,15 @@ class Pusher:
                 peer_pid=lambda: box.export.pid,
                 late=lambda: [worker],
             )
+            if control[ANSWERED] != seq + 1:
+                raise WeightSyncError(f"{worker}: its listener ended before answering push {seq}")
+            return mailbox.answer()
         except TransferTimeout:
             return PushAnswer(outcome=_lost(worker, Status.TIMED_OUT), version=None, state="unknown")
-        except WeightSyncError:
+        except Exception as exc:  # noqa: BLE001 - this worker's failure, as data; the others' answers stand
             if not pid_alive(box.export.pid):
                 return PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
-            raise
-        return box.mailbox.answer()
+            return PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
 
     def forget(self, worker: str) -> None:
         box = self._boxes.pop(worker, None)

@@ -12,8 +12,7 @@ in the mailbox. Word layout after the control block's header::
     word 2  FLAGS       bit 0 verify, bit 1 force
     word 3  ANSWERED    seq + 1 once the answer below is complete
     word 4  LENGTH      bytes of the pickled answer
-    word 5  PID         the listener's process (a dead worker is noticed in milliseconds)
-    word 6  STOP        set by the worker when its listener ends
+    word 5  STOP        set by the worker when its listener ended (the trainer stops waiting)
     then    the answer's bytes
 
 Both sides of a mailbox live on one host: the doorbell is an abstract Unix socket on Linux
@@ -36,7 +35,7 @@ from weightsync.transport.control import ControlBlock
 from weightsync.wire.errors import WeightSyncError
 from weightsync.wire.messages import PushAnswer, ShmHandle, SyncCall
 
-CALL, VERSION, FLAGS, ANSWERED, LENGTH, PID, STOP = range(7)
+CALL, VERSION, FLAGS, ANSWERED, LENGTH, STOP = range(6)
 _HEADER_WORDS = 8
 #: Room for an answer: a ReceiveResult without checksums, or an error with its message.
 ANSWER_BYTES = 64 * 1024
@@ -50,9 +49,7 @@ class Mailbox:
 
     @classmethod
     def create(cls) -> Mailbox:
-        control = ControlBlock.create(_HEADER_WORDS + ANSWER_BYTES // 8, tag="mbox")
-        control[PID] = os.getpid()
-        return cls(control)
+        return cls(ControlBlock.create(_HEADER_WORDS + ANSWER_BYTES // 8, tag="mbox"))
 
     @classmethod
     def attach(cls, mapped: torch.Tensor, who: str, path: str) -> Mailbox:
@@ -83,16 +80,27 @@ class Mailbox:
         flags = self.control[FLAGS]
         return call - 1, self.control[VERSION], bool(flags & 1), bool(flags & 2)
 
-    def reply(self, seq: int, answer: PushAnswer) -> None:
+    def fits(self, answer: PushAnswer) -> bytes | None:
+        """The pickled answer, or None when it does not fit this mailbox."""
         data = pickle.dumps(answer)
-        if len(data) > ANSWER_BYTES:
-            raise WeightSyncError(f"an answer of {len(data)} bytes does not fit a mailbox of {ANSWER_BYTES}")
+        return data if len(data) <= ANSWER_BYTES else None
+
+    def reply(self, seq: int, answer: PushAnswer) -> None:
+        data = self.fits(answer)
+        if data is None:
+            raise WeightSyncError(
+                f"an answer of {len(pickle.dumps(answer))} bytes does not fit a mailbox of {ANSWER_BYTES}"
+            )
         self._area()[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.control[LENGTH] = len(data)
         self.control[ANSWERED] = seq + 1
 
     def handle(self) -> ShmHandle:
         return self.control.handle()
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.control[STOP])
 
 
 class Doorbell:
