@@ -101,21 +101,7 @@ class Listener:
                 version, state = self._status()
         finally:
             self.busy = False
-        self.mailbox.reply(call.seq, self._fitted(PushAnswer(outcome=outcome, version=version, state=state)))
-
-    def _fitted(self, answer: PushAnswer) -> PushAnswer:
-        """``answer``, shortened to fit the mailbox: a long list of moved tensors or a long
-        error message keeps its head and says how much was left out."""
-        if self.mailbox.fits(answer) is not None:
-            return answer
-        outcome = answer.outcome
-        if outcome.ok and outcome.value.stale:
-            moved = outcome.value.stale
-            head = (*moved[:20], f"... and {len(moved) - 20} more")
-            outcome = replace(outcome, value=replace(outcome.value, stale=head))
-        else:
-            outcome = replace(outcome, message=outcome.message[:4000] + " ... (cut to fit the mailbox)")
-        return replace(answer, outcome=outcome)
+        self.mailbox.reply(call.seq, PushAnswer(outcome=outcome, version=version, state=state), _shortened)
 
     def stop(self) -> None:
         """Ask the thread to end; it answers a sync in flight first."""
@@ -137,3 +123,16 @@ class Listener:
         self.doorbell.close()
         self.mailbox.control.close()
         return True
+
+
+def _shortened(answer: PushAnswer) -> PushAnswer:
+    """``answer`` made to fit the mailbox: a long list of moved tensors or a long error
+    message keeps its head and says how much was left out."""
+    outcome = answer.outcome
+    if outcome.ok and outcome.value.stale:
+        moved = outcome.value.stale
+        head = (*moved[:20], f"... and {len(moved) - 20} more")
+        outcome = replace(outcome, value=replace(outcome.value, stale=head))
+    else:
+        outcome = replace(outcome, message=outcome.message[:4000] + " ... (cut to fit the mailbox)")
+    return replace(answer, outcome=outcome)

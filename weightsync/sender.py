@@ -178,28 +178,36 @@ class WeightSender:
         broadcast agreement or a group abort) before it is raised.
         """
         start = time.perf_counter()
-        checksums: dict[str, list[int]] = {}
-        stale: tuple[str, ...] = ()
-        failure: BaseException | None = None
         # One deadline for the whole call, whichever transports it drives: the workers'
         # and the coordinator's deadlines are counted from the same moment.
         deadline = Deadlines(self._timeout_s).leader(time.monotonic())
+        failure: BaseException | None = None
         try:
-            sources = self.checked_sources()
-            for kind in ORDER:
-                half = self.halves.get(kind)
-                if half is None or kind not in call.kinds:
-                    continue
-                checksums[kind], found = half.send(sources, call, deadline)
-                stale += found
+            checksums, stale = self.drive(self.checked_sources(), call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
-            for kind in ORDER:
-                if kind in call.kinds and kind in self.halves:
-                    self.halves[kind].abort()
+            self.abort_halves(call)
             raise failure
         return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
+
+    def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
+        """Run this sync's halves over ``sources`` in :data:`ORDER`; (checksums per kind, stale workers)."""
+        checksums: dict[str, list[int]] = {}
+        stale: tuple[str, ...] = ()
+        for kind in ORDER:
+            half = self.halves.get(kind)
+            if half is None or kind not in call.kinds:
+                continue
+            checksums[kind], found = half.send(sources, call, deadline)
+            stale += found
+        return checksums, stale
+
+    def abort_halves(self, call: SyncCall) -> None:
+        """Tell every peer of this sync's transports that this side failed."""
+        for kind in ORDER:
+            if kind in call.kinds and kind in self.halves:
+                self.halves[kind].abort()
 
     # transports -------------------------------------------------------------------------
     def open_broadcast(self, comm: Communicator, members: Sequence[str], timeout_s: float) -> None:

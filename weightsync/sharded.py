@@ -374,13 +374,7 @@ class ShardedSender(WeightSender):
                 self._agree(0, True, _Wait(Deadlines(self._timeout_s).follower(began), self.name, self.peers))
                 raise
             gathered = self._walk(sources, self.walks_for(call), began)
-            streamed = Sources(gathered, None, streamed=True)
-            for kind in ORDER:
-                half = self.halves.get(kind)
-                if half is None or kind not in call.kinds:
-                    continue
-                checksums[kind], found = half.send(streamed, call, deadline)
-                stale += found
+            checksums, stale = self.drive(Sources(gathered, None, streamed=True), call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if gathered is not None:
@@ -389,9 +383,7 @@ class ShardedSender(WeightSender):
             except BaseException as exc:  # noqa: BLE001 - the first failure is the one raised
                 failure = failure or shed_traceback(exc)
         if failure is not None:
-            for kind in ORDER:
-                if kind in call.kinds and kind in self.halves:
-                    self.halves[kind].abort()
+            self.abort_halves(call)
             raise failure
         return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
 

@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -80,17 +81,13 @@ class Mailbox:
         flags = self.control[FLAGS]
         return call - 1, self.control[VERSION], bool(flags & 1), bool(flags & 2)
 
-    def fits(self, answer: PushAnswer) -> bytes | None:
-        """The pickled answer, or None when it does not fit this mailbox."""
+    def reply(self, seq: int, answer: PushAnswer, shorten: Callable[[PushAnswer], PushAnswer]) -> None:
+        """Write ``answer`` (or, when it does not fit, ``shorten(answer)``) as sync ``seq``'s."""
         data = pickle.dumps(answer)
-        return data if len(data) <= ANSWER_BYTES else None
-
-    def reply(self, seq: int, answer: PushAnswer) -> None:
-        data = self.fits(answer)
-        if data is None:
-            raise WeightSyncError(
-                f"an answer of {len(pickle.dumps(answer))} bytes does not fit a mailbox of {ANSWER_BYTES}"
-            )
+        if len(data) > ANSWER_BYTES:
+            data = pickle.dumps(shorten(answer))
+        if len(data) > ANSWER_BYTES:
+            raise WeightSyncError(f"an answer of {len(data)} bytes does not fit a mailbox of {ANSWER_BYTES}")
         self._area()[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.control[LENGTH] = len(data)
         self.control[ANSWERED] = seq + 1
