@@ -91,6 +91,9 @@ class Pusher:
                     continue
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
+            if not pid_alive(box.export.pid):
+                answers[worker] = PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
+                continue
             why = WeightSyncError(f"{worker}: its listener is gone (nobody answers its doorbell); run setup() again")
             answers[worker] = PushAnswer(outcome=failed(worker, "receive", why), version=None, state="unknown")
         live = tuple(w for w in call.direct if w not in answers)
