@@ -16,8 +16,8 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import weightsync
-from weightsync.cluster import connect, missing_gpus
-from weightsync.models import PolicyFactory, train_step
+from weightsync.tools.cluster import connect, missing_gpus
+from weightsync.tools.models import PolicyFactory, train_step
 
 
 def main(workers: int = 2) -> int:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import weightsync
-from weightsync.actors import trainer_ranks
-from weightsync.cluster import connect
+from weightsync.glue.actors import trainer_ranks
+from weightsync.tools.cluster import connect
 
 
 def policy() -> nn.Module:

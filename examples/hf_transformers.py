@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import weightsync
-from weightsync.cluster import connect, missing_gpus
+from weightsync.tools.cluster import connect, missing_gpus
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 

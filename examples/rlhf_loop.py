@@ -9,8 +9,8 @@ import ray
 import torch
 
 import weightsync
-from weightsync.cluster import connect
-from weightsync.models import PolicyFactory, synthetic_batch, train_step
+from weightsync.tools.cluster import connect
+from weightsync.tools.models import PolicyFactory, synthetic_batch, train_step
 
 
 def generate(model: torch.nn.Module, step: int) -> float:

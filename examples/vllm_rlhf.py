@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import weightsync
-from weightsync.cluster import connect
+from weightsync.tools.cluster import connect
 
 TARGET = "the big red dog sat on the mat"
 

@@ -5,7 +5,7 @@ with every tensor packed (``inplace_bytes=0``) and with every tensor in place
 (``inplace_bytes=S``), through the real BroadcastSender/BroadcastReceiver, one process per
 rank over loopback. Time per sync: from a barrier before it to a barrier after it on every
 rank (so every receiver's unpack counts), median of ``--repeats``. The size where in place
-starts to win is the threshold (``weightsync.wire.settings.DEFAULT_INPLACE_BYTES``)::
+starts to win is the threshold (``weightsync.core.wire.settings.DEFAULT_INPLACE_BYTES``)::
 
     python scripts/inplace_threshold.py --sizes-kib 16,64,256,1024,4096 --receivers 2
 """
@@ -37,8 +37,8 @@ class Flat(nn.Module):
 
 def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: int, out: Any) -> None:
     from weightsync import WeightReceiver, WeightSender
-    from weightsync.transport.gloo import GlooCommunicator
-    from weightsync.wire import SyncCall, SyncSettings
+    from weightsync.core.transport.gloo import GlooCommunicator
+    from weightsync.core.wire import SyncCall, SyncSettings
 
     torch.set_num_threads(1)
     count = max(1, args.total_mib * 2**20 // size)

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from weightsync.models import PolicyFactory
-from weightsync.packing import ChunkUnpacker, pack_chunk, typed_view
-from weightsync.sender import WeightSender
-from weightsync.sinks import module_tensors
-from weightsync.transport.batched_copy import BatchedCopier
-from weightsync.transport.cuda_ipc import CudaRegion, map_cuda_ipc
-from weightsync.wire import SyncSettings
+from weightsync.core.packing import ChunkUnpacker, pack_chunk, typed_view
+from weightsync.core.sender import WeightSender
+from weightsync.core.sinks import module_tensors
+from weightsync.core.transport.batched_copy import BatchedCopier
+from weightsync.core.transport.cuda_ipc import CudaRegion, map_cuda_ipc
+from weightsync.core.wire import SyncSettings
+from weightsync.tools.models import PolicyFactory
 
 
 def gpu_ms(fn: Callable[[], None], repeats: int) -> tuple[float, float]:

@@ -21,11 +21,11 @@ from typing import Any
 import ray
 
 from weightsync import WeightSync
-from weightsync.actors import _Trainer, _Worker
-from weightsync.cluster import connect
-from weightsync.models import PolicyFactory
-from weightsync.sender import WeightSender
-from weightsync.transport import batched_copy, direct, streams
+from weightsync.core.sender import WeightSender
+from weightsync.core.transport import batched_copy, direct, streams
+from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.tools.cluster import connect
+from weightsync.tools.models import PolicyFactory
 
 
 def _stamped(cls: Any, method: str, into: list[tuple[float, float]]) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.models import PolicyFactory
-from weightsync.sinks import module_tensors
-from weightsync.transport.batched_copy import BatchedCopier
+from weightsync.core.sinks import module_tensors
+from weightsync.core.transport.batched_copy import BatchedCopier
+from weightsync.tools.models import PolicyFactory
 
 
 def gpu_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:

@@ -95,7 +95,7 @@ def actors(ray_session: None) -> Iterator[ActorPool]:
 
 @pytest.fixture
 def no_shm_leftovers() -> Iterator[None]:
-    from weightsync.transport.shm import leftover_segments
+    from weightsync.core.transport.shm import leftover_segments
 
     before = set(leftover_segments())
     yield

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from weightsync.sinks import module_tensors
-from weightsync.wire import ALLOWED_DTYPES
+from weightsync.core.sinks import module_tensors
+from weightsync.core.wire import ALLOWED_DTYPES
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

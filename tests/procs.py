@@ -16,10 +16,10 @@ import torch
 
 from tests.helpers import random_tensor
 from weightsync import WeightReceiver, WeightSender
-from weightsync.packing import ChunkUnpacker
-from weightsync.sinks import LoadWeightsSink
-from weightsync.transport.gloo import GlooCommunicator
-from weightsync.wire import Manifest, SyncCall
+from weightsync.core.packing import ChunkUnpacker
+from weightsync.core.sinks import LoadWeightsSink
+from weightsync.core.transport.gloo import GlooCommunicator
+from weightsync.core.wire import Manifest, SyncCall
 
 LAYOUT = [
     ("embed", (300, 40), torch.bfloat16),  # 24000 bytes: split across 8 KiB buffers

@@ -46,7 +46,7 @@ from tests.catalogue import (
 )
 from tests.conftest import RAY_TIMEOUT
 from tests.helpers import perturb, random_tensor, state_of
-from weightsync.sinks import module_tensors
+from weightsync.core.sinks import module_tensors
 
 # --- 1. a worker tensor changed since setup ---------------------------------------------
 

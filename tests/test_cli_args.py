@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.cli import build_parser
+from weightsync.tools.cli import build_parser
 
 
 @pytest.mark.parametrize(

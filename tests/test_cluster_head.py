@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import requests
 
-from weightsync.head import HeadInfo, read_info, stop_head
-from weightsync.jobs import JobServer
+from weightsync.tools.head import HeadInfo, read_info, stop_head
+from weightsync.tools.jobs import JobServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -17,9 +17,9 @@ from torch import nn
 from tests.helpers import MixedModel, assert_bit_equal, bytes_state_of, perturb, random_tensor, state_of
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
-from weightsync.actors import _Trainer, _Worker
-from weightsync.models import PolicyFactory, train_step
-from weightsync.wire import ALLOWED_DTYPES, dtype_name
+from weightsync.core.wire import ALLOWED_DTYPES, dtype_name
+from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.tools.models import PolicyFactory, train_step
 
 pytestmark = pytest.mark.cuda
 
@@ -41,7 +41,7 @@ class GpuTrainer(_Trainer):
         return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
 
     def stream_cache(self) -> int:
-        from weightsync.transport.streams import _cuda_streams
+        from weightsync.core.transport.streams import _cuda_streams
 
         return _cuda_streams.cache_info().currsize
 
@@ -128,8 +128,8 @@ def test_importer_maps_once_and_releases_once(actors: Any) -> None:
 
 
 def test_handle_for_another_gpu_is_refused_with_a_clear_error() -> None:
-    from weightsync.transport.cuda_ipc import map_cuda_ipc
-    from weightsync.wire import CudaIpcHandle, DeviceMismatch
+    from weightsync.core.transport.cuda_ipc import map_cuda_ipc
+    from weightsync.core.wire import CudaIpcHandle, DeviceMismatch
 
     handle = CudaIpcHandle(
         gpu_uuid="GPU-00000000-0000-0000-0000-000000000000", rebuild_args=tuple(range(15)), nbytes=1024, session="s"
@@ -262,7 +262,7 @@ class DiesMidReceive(GpuWorker):
 
     def ws_receive(self, call: Any) -> Any:
         if call.version == 2:
-            from weightsync.packing import ChunkUnpacker
+            from weightsync.core.packing import ChunkUnpacker
 
             inner = ChunkUnpacker.unpack
 

@@ -18,10 +18,10 @@ from torch import nn
 from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, state_of
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import Status, SyncError, WeightSync
-from weightsync.actors import _Trainer, _Worker
-from weightsync.sender import WeightSender
-from weightsync.sinks import TensorPaths, module_tensors
-from weightsync.wire import ManifestError, SyncSettings
+from weightsync.core.sender import WeightSender
+from weightsync.core.sinks import TensorPaths, module_tensors
+from weightsync.core.wire import ManifestError, SyncSettings
+from weightsync.glue.actors import _Trainer, _Worker
 
 
 class Worker(_Worker):
@@ -208,7 +208,7 @@ def test_sender_keeps_its_copy_key_until_a_tensor_gets_new_storage() -> None:
 
 
 def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: Any) -> None:
-    from weightsync.models import PolicyFactory, train_step
+    from weightsync.tools.models import PolicyFactory, train_step
 
     trainer = actors.add(ray.remote(_Trainer).options(num_cpus=0).remote(PolicyFactory("1mb", 0)))
     worker = actors.add(ray.remote(Worker).options(num_cpus=0).remote(PolicyFactory("1mb", 1)))

@@ -20,8 +20,8 @@ from tests.engine_standin import EngineLlama
 from tests.helpers import assert_bit_equal, state_of
 from tests.test_ray_e2e import get
 from weightsync import TrainerActor, WeightSync, WorkerActor
-from weightsync.actors import WORKER_PROTOCOL, forward_worker_protocol
-from weightsync.sinks import module_tensors
+from weightsync.core.sinks import module_tensors
+from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,11 +19,11 @@ from torch import nn
 
 from tests.helpers import assert_bit_equal, random_tensor
 from weightsync import WeightReceiver, WeightSender
-from weightsync.sinks import LoadWeightsSink, ModuleSink
-from weightsync.transport.gloo import GlooCommunicator, open_store
-from weightsync.wire import ChecksumMismatch, Manifest, ManifestError, SettingsError, SyncCall, SyncSettings
-from weightsync.wire.outcome import ok
-from weightsync.wire.sizing import BufferHints, resolve_buffer_bytes
+from weightsync.core.sinks import LoadWeightsSink, ModuleSink
+from weightsync.core.transport.gloo import GlooCommunicator, open_store
+from weightsync.core.wire import ChecksumMismatch, Manifest, ManifestError, SettingsError, SyncCall, SyncSettings
+from weightsync.core.wire.outcome import ok
+from weightsync.core.wire.sizing import BufferHints, resolve_buffer_bytes
 
 #: name, shape, dtype: bytes >= THRESHOLD go in place, the rest are packed (some split).
 LAYOUT = [
@@ -216,7 +216,7 @@ def test_trainer_sends_a_strided_tensor_through_a_temporary() -> None:
 
 def test_verify_catches_a_corrupted_in_place_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of an in-place tensor after it landed: the chunk checksums must differ."""
-    from weightsync.transport import broadcast
+    from weightsync.core.transport import broadcast
 
     model = Model(0)
     sender = WeightSender(model)
@@ -375,7 +375,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
     """The broadcast halves on CUDA tensors over a real one-rank NCCL group: in-place
     operations come from the trainer's own storage and land in the worker's own parameters
     (or, for a load_weights sink, in the scratch buffer), checksums agree, bit-exact."""
-    from weightsync.transport.nccl import NcclCommunicator, make_unique_id
+    from weightsync.core.transport.nccl import NcclCommunicator, make_unique_id
 
     device = torch.device("cuda", 0)
     nccl = NcclCommunicator(make_unique_id(), 0, 1, device, 60.0)
@@ -423,7 +423,7 @@ def test_in_place_broadcast_through_ray_with_auto_buffers_and_a_pinned_threshold
     import ray
 
     from weightsync import SetupError, TrainerActor, WeightSync, WorkerActor
-    from weightsync.models import PolicyFactory, train_step
+    from weightsync.tools.models import PolicyFactory, train_step
 
     def get(ref: Any) -> Any:
         return ray.get(ref, timeout=120)

@@ -12,7 +12,7 @@ import torch
 from tests.test_cuda import GpuTrainer, GpuWorker
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
-from weightsync.models import PolicyFactory, train_step
+from weightsync.tools.models import PolicyFactory, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu]
 

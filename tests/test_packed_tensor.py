@@ -25,8 +25,8 @@ from tests.packed_procs import (
     shm_ipc_consumer,
 )
 from weightsync import packed_tensor as pt
-from weightsync.transport.shm import leftover_segments
-from weightsync.wire import UnsupportedDtypeError
+from weightsync.core.transport.shm import leftover_segments
+from weightsync.core.wire import UnsupportedDtypeError
 
 CTX = mp.get_context("spawn")
 

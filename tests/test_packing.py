@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import all_dtypes, assert_bit_equal, random_tensor
+from weightsync.core.packing import ChunkUnpacker, byte_checksum, pack_chunk
+from weightsync.core.wire import Manifest, TensorSpec, dtype_name, plan_chunks
 from weightsync.packed_tensor import pack_tensors, unpack_tensor
-from weightsync.packing import ChunkUnpacker, byte_checksum, pack_chunk
-from weightsync.wire import Manifest, TensorSpec, dtype_name, plan_chunks
 
 
 def roundtrip(

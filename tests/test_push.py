@@ -1,8 +1,8 @@
 """Push mode: direct workers listen, so a sync is one Ray call to the trainer, or none.
 
 The same checks, state machine and failures-as-data as a Ray-called direct sync, with the
-worker's side run by its listener thread (weightsync/listener.py) and the trainer's by
-weightsync/push.py.
+worker's side run by its listener thread (weightsync/core/listener.py) and the trainer's by
+weightsync/core/pusher.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tests.catalogue import kill_and_wait
 from tests.helpers import MixedModel, perturb
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
 from weightsync import SetupError, Status, SyncError, WeightSync
-from weightsync.actors import _Trainer, _Worker
-from weightsync.wire.messages import PushResult
+from weightsync.core.wire.messages import PushResult
+from weightsync.glue.actors import _Trainer, _Worker
 
 
 class PushingTrainer(_Trainer):
@@ -162,12 +162,12 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     import time
 
     from tests.helpers import state_of
-    from weightsync.push import Pusher
-    from weightsync.receiver import WeightReceiver
-    from weightsync.sender import WeightSender
-    from weightsync.transport.mailbox import ANSWERED
-    from weightsync.wire import SyncSettings
-    from weightsync.wire.messages import SyncCall
+    from weightsync.core.pusher import Pusher
+    from weightsync.core.receiver import WeightReceiver
+    from weightsync.core.sender import WeightSender
+    from weightsync.core.transport.mailbox import ANSWERED
+    from weightsync.core.wire import SyncSettings
+    from weightsync.core.wire.messages import SyncCall
 
     trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
     sender = WeightSender(model=trainer_model)

@@ -15,9 +15,9 @@ import torch
 from tests.conftest import RAY_TIMEOUT, ROOT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
 from weightsync import LoadWeightsSink, TrainerActor, WeightSync, WorkerActor
-from weightsync.actors import TrainerMixin, WorkerMixin, _Trainer
-from weightsync.models import PolicyFactory, train_step
-from weightsync.transport.shm import leftover_segments
+from weightsync.core.transport.shm import leftover_segments
+from weightsync.glue.actors import TrainerMixin, WorkerMixin, _Trainer
+from weightsync.tools.models import PolicyFactory, train_step
 
 
 def get(ref: Any) -> Any:
@@ -200,7 +200,7 @@ def test_ipc_slots_are_never_rewritten_while_a_worker_reads_and_each_side_gets_o
 
 
 def test_demo_command_in_a_small_configuration(ray_session: None, capsys: pytest.CaptureFixture[str]) -> None:
-    from weightsync.cli import main
+    from weightsync.tools.cli import main
 
     assert main(["demo", "--size", "1mb", "--steps", "3", "--workers", "2", "--transport", "broadcast"]) == 0
     out = capsys.readouterr().out

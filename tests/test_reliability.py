@@ -26,12 +26,11 @@ from weightsync import (
     WeightSync,
     WorkerActor,
 )
-from weightsync.actors import _Worker
-from weightsync.packing import ChunkUnpacker
-from weightsync.sinks import module_tensors
-from weightsync.transport.base import unpacker_for
-from weightsync.transport.shm import leftover_segments
-from weightsync.wire import (
+from weightsync.core.packing import ChunkUnpacker
+from weightsync.core.sinks import module_tensors
+from weightsync.core.transport.base import unpacker_for
+from weightsync.core.transport.shm import leftover_segments
+from weightsync.core.wire import (
     PROTOCOL_VERSION,
     ChunkHandle,
     ExportNotFound,
@@ -42,6 +41,7 @@ from weightsync.wire import (
     SyncSettings,
     WeightSyncError,
 )
+from weightsync.glue.actors import _Worker
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
@@ -149,8 +149,8 @@ def test_protocol_version_and_tampered_manifest_are_refused_by_the_receiver() ->
 def test_ipc_and_direct_refuse_workers_off_the_trainers_device(actors: Any) -> None:
     ws = WeightSync(trainer_of(actors), [worker_of(actors)], transport="ipc")
     # Pretend the worker lives elsewhere: the coordinator must refuse, naming it.
-    from weightsync.choice import choose_transport
-    from weightsync.wire import EndpointInfo, SettingsError
+    from weightsync.core.choice import choose_transport
+    from weightsync.core.wire import EndpointInfo, SettingsError
 
     def where(node: str) -> EndpointInfo:
         return EndpointInfo(
@@ -468,7 +468,7 @@ def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftov
     with pytest.raises(ExportNotFound, match="does not exist: it was closed, or belongs to a previous session"):
         late.attach_ipc(export, 0, 5.0)
     foreign = ShmHandle(path="/dev/shm/weightsync-x", nbytes=16, hostname="another-host", session="s")
-    from weightsync.transport.shm import map_shm
+    from weightsync.core.transport.shm import map_shm
 
     with pytest.raises(ExportNotFound, match="lives on host 'another-host'"):
         map_shm(foreign)
@@ -502,7 +502,7 @@ def test_unpacker_refuses_a_transfer_that_ends_half_way() -> None:
     m = sender.manifest(SyncSettings(buffer_bytes=1024))
     unpacker = ChunkUnpacker(m.specs, lambda i: None, False)
     buffer = torch.empty(1024, dtype=torch.uint8)
-    from weightsync.packing import pack_chunk
+    from weightsync.core.packing import pack_chunk
 
     split = next(c for c in m.chunks if any(p.nbytes < m.specs[p.spec_index].nbytes for p in c.pieces))
     pack_chunk(split, m.specs, sender.sources(), buffer)

@@ -23,11 +23,11 @@ from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
 from weightsync import TrainerActor, WeightSync, WorkerActor
-from weightsync.actors import _Trainer, trainer_ranks
-from weightsync.ranks import RankSpec, TrainerRanks
-from weightsync.wire.errors import SettingsError, SetupError, SyncError
-from weightsync.wire.messages import SourceLayout
-from weightsync.wire.settings import SyncSettings
+from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
+from weightsync.core.wire.messages import SourceLayout
+from weightsync.core.wire.settings import SyncSettings
+from weightsync.glue.actors import _Trainer, trainer_ranks
+from weightsync.glue.ranks import RankSpec, TrainerRanks
 
 # Many small tensors (about 8.5 MB in all, none over 132 KB), so a bucket of 256 KiB is a
 # small part of the model and the memory bound below means something.

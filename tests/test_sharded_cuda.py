@@ -25,7 +25,7 @@ from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
 from weightsync import TrainerActor, WeightSync, WorkerActor
-from weightsync.ranks import RankSpec
+from weightsync.glue.ranks import RankSpec
 
 pytestmark = pytest.mark.cuda
 

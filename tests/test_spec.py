@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from weightsync.wire import (
+from weightsync.core.wire import (
     ALLOWED_DTYPES,
     Manifest,
     ManifestError,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.choice import choose_transport
-from weightsync.packing import tensor_checksums
-from weightsync.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
-from weightsync.wire import (
+from weightsync.core.choice import choose_transport
+from weightsync.core.packing import tensor_checksums
+from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.wire import (
     EndpointInfo,
     Outcome,
     PeerAborted,
@@ -27,7 +27,7 @@ from weightsync.wire import (
     TransferTimeout,
     assign_blame,
 )
-from weightsync.wire.outcome import failed
+from weightsync.core.wire.outcome import failed
 
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 
@@ -204,22 +204,22 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_lower_layers_import_no_ray_and_no_module_imports_in_a_cycle() -> None:
+def test_the_core_imports_no_ray_and_no_module_imports_in_a_cycle() -> None:
+    """The rule follows the folder: every module under weightsync/core (a new one too) is
+    Ray-free, transports import no endpoint, and the library never imports its tools."""
     graph = {}
+    endpoints = {f"weightsync.core.{m}" for m in ("sender", "receiver", "sharded", "listener", "pusher")}
     for path in PACKAGE.rglob("*.py"):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        graph[module] = {m for m in _imports(path) if m.startswith("weightsync")}
-        lower = module.startswith(("weightsync.wire", "weightsync.transport")) or module in (
-            "weightsync.packing",
-            "weightsync.sinks",
-            "weightsync.sender",
-            "weightsync.receiver",
-            "weightsync.choice",
-        )
-        if lower:
-            assert not {m for m in _imports(path) if m == "ray" or m.startswith("ray.")}, f"{module} imports Ray"
-        if module.startswith("weightsync.transport"):
-            assert not graph[module] & {"weightsync.sender", "weightsync.receiver"}, f"{module} imports an endpoint"
+        imports = _imports(path)
+        graph[module] = {m for m in imports if m.startswith("weightsync")}
+        if module.startswith("weightsync.core"):
+            assert not {m for m in imports if m == "ray" or m.startswith("ray.")}, f"{module} imports Ray"
+        if module.startswith("weightsync.core.transport"):
+            assert not graph[module] & endpoints, f"{module} imports an endpoint"
+        if not module.startswith("weightsync.tools") and module != "weightsync.__main__":
+            tools = {m for m in graph[module] if m.startswith("weightsync.tools")}
+            assert not tools, f"{module} imports the tools ({sorted(tools)}); the library never imports its CLI"
 
     def reach(start: str) -> set[str]:
         seen: set[str] = set()
@@ -267,9 +267,9 @@ class RefusingComm:
 
 
 def test_a_refused_agreement_names_the_refuser_moves_nothing_and_keeps_the_group() -> None:
-    from weightsync.transport.base import Sources
-    from weightsync.transport.broadcast import BroadcastSender
-    from weightsync.wire import Manifest, SyncCall, TensorSpec
+    from weightsync.core.transport.base import Sources
+    from weightsync.core.transport.broadcast import BroadcastSender
+    from weightsync.core.wire import Manifest, SyncCall, TensorSpec
 
     manifest = Manifest.build([TensorSpec("w", (4,), "float32")], buffer_bytes=256)
     comm = RefusingComm()

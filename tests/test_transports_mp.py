@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tests.procs import Holder, gloo_rank, ipc_consumer
-from weightsync.sender import WeightSender
-from weightsync.transport.base import Sources
-from weightsync.transport.broadcast import BroadcastSender
-from weightsync.transport.gloo import GlooCommunicator, open_store
-from weightsync.transport.shm import leftover_segments
-from weightsync.wire import Manifest, SyncCall, SyncSettings, TransferTimeout
+from weightsync.core.sender import WeightSender
+from weightsync.core.transport.base import Sources
+from weightsync.core.transport.broadcast import BroadcastSender
+from weightsync.core.transport.gloo import GlooCommunicator, open_store
+from weightsync.core.transport.shm import leftover_segments
+from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TransferTimeout
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]
@@ -100,7 +100,7 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
     monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
 ) -> None:
     """Break the producer on purpose (never wait for the slot): the same check must fire."""
-    from weightsync.transport.control import ControlBlock
+    from weightsync.core.transport.control import ControlBlock
 
     def no_wait(block, predicate, deadline, me, what, names, **kw):  # type: ignore[no-untyped-def]
         if "release slot" in what():

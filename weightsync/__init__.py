@@ -9,7 +9,7 @@ The Python API in one place::
         report = ws.sync(version=1)
 
 Everything below the actors (the wire contract, packing, transports, endpoints, sinks)
-imports no Ray and runs in one process; ``weightsync.actors`` and ``weightsync.coordinator``
+imports no Ray and runs in one process; ``weightsync.glue.actors`` and ``weightsync.glue.coordinator``
 load Ray on first use of the names that need it. ``pack_tensors``, ``unpack_tensor`` and
 ``PackedChunk`` are those of :mod:`weightsync.packed_tensor`, the drop-in for vLLM's
 packed-tensor helpers.
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync.packed_tensor import PackedChunk, pack_tensors, unpack_tensor
-from weightsync.receiver import WeightReceiver, WorkerState
-from weightsync.sender import WeightSender
-from weightsync.sinks import LoadWeightsSink, ModuleSink
-from weightsync.wire import (
+from weightsync.compat.packed_tensor import PackedChunk, pack_tensors, unpack_tensor
+from weightsync.core.receiver import WeightReceiver, WorkerState
+from weightsync.core.sender import WeightSender
+from weightsync.core.sinks import LoadWeightsSink, ModuleSink
+from weightsync.core.wire import (
     ALLOWED_DTYPES,
     Manifest,
     ModelChangedError,
@@ -43,12 +43,12 @@ from weightsync.wire import (
 __version__ = "0.1.0"
 
 _RAY_NAMES = {
-    "TrainerActor": "weightsync.actors",
-    "WorkerActor": "weightsync.actors",
-    "TrainerMixin": "weightsync.actors",
-    "WorkerMixin": "weightsync.actors",
-    "trainer_ranks": "weightsync.actors",
-    "WeightSync": "weightsync.coordinator",
+    "TrainerActor": "weightsync.glue.actors",
+    "WorkerActor": "weightsync.glue.actors",
+    "TrainerMixin": "weightsync.glue.actors",
+    "WorkerMixin": "weightsync.glue.actors",
+    "trainer_ranks": "weightsync.glue.actors",
+    "WeightSync": "weightsync.glue.coordinator",
 }
 
 

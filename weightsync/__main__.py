@@ -2,6 +2,6 @@
 
 import sys
 
-from weightsync.cli import main
+from weightsync.tools.cli import main
 
 sys.exit(main())

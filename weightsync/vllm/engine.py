@@ -48,7 +48,7 @@ import ray
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
-from weightsync.actors import forward_worker_protocol
+from weightsync.glue.actors import forward_worker_protocol
 from weightsync.vllm.checkpoint import checkpoint_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup

@@ -1,7 +1,7 @@
 """One vLLM worker rank as a weightsync receiver, with vLLM's reload lifecycle around loads.
 
 A :class:`RankEndpoint` lives inside a vLLM worker process (made by the worker extension
-or by the native backend). It is a :class:`~weightsync.actors.WorkerMixin`, so it answers
+or by the native backend). It is a :class:`~weightsync.glue.actors.WorkerMixin`, so it answers
 every method of the coordinator's protocol, whatever that set is; its sink hands tensors
 to the model's own ``load_weights`` (Hugging Face names in; vLLM fuses and shards).
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
-from weightsync.actors import WORKER_PROTOCOL, WorkerMixin
-from weightsync.sinks import LoadWeightsSink
+from weightsync.core.sinks import LoadWeightsSink
+from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin
 from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
 from weightsync.vllm.relay import Finish, TpRelay
 

@@ -1,0 +1,365 @@
+"""A drop-in for vLLM's ``vllm.distributed.weight_transfer.packed_tensor``, wire-compatible with it.
+
+Code written against vLLM's module runs by changing the import to ``weightsync.packed_tensor``:
+the same names and call signatures. The broadcast producer and consumer derive chunk
+boundaries as vLLM's do (take tensors until their running total exceeds
+``buffer_size_bytes``; the bytes back to back, no padding), so a weightsync producer feeds
+vLLM's consumer and the other way round. ``group`` is anything with
+``broadcast(tensor, src=...)``: vLLM's ``PyNcclCommunicator``, or
+:class:`~weightsync.core.transport.groups.GlooGroup` (a ``torch.distributed`` gloo group, CPU) and
+:class:`~weightsync.core.transport.groups.CommunicatorGroup` (weightsync's gloo or NCCL
+communicator), both exported here. Call order, on every rank at once::
+
+    packed_nccl_broadcast_producer(model.named_parameters(), group, 0, lambda item: item[1])
+    packed_nccl_broadcast_consumer(iter(meta), group, 0, model.load_weights, device="cuda:0")
+
+where ``meta`` is ``(name, (shape, dtype))`` per tensor, in the producer's order, with the
+shapes and dtypes of what ``post_iter_func`` returns.
+
+Behaviour that differs from vLLM's module (each is a bug fix or an addition; the bytes on
+the wire and the chunk boundaries do not change):
+
+- Chunk metadata records the dtype and shape of the tensor actually packed, after
+  ``post_iter_func``; vLLM records the original tensor's, so a cast in ``post_iter_func``
+  (fp32 -> bf16) unpacked the bf16 bytes as fp32.
+- A slice at an offset its dtype cannot start at (an odd-sized fp16 tensor followed by an
+  fp32 one) is copied out instead of viewed; vLLM fails there ("storage_offset must be
+  divisible", vLLM PR 57665). Everything else unpacks as views, as in vLLM.
+- 0-d tensors pack (vLLM's ``view(torch.uint8)`` refuses a 0-d tensor wider than a byte).
+- An empty iterator sends nothing, allocates nothing and returns (vLLM's IPC producer
+  allocated and exported a whole buffer first).
+- The IPC producer also yields a final chunk whose tensors are all zero bytes (vLLM
+  dropped it, so those tensors were never delivered).
+- Dtype names from the wire (``PackedIpcChunk.dtype_names``, string dtypes given to
+  ``unpack_tensor`` or to the consumer's metadata) resolve through weightsync's allow-list
+  (:data:`weightsync.ALLOWED_DTYPES`), never ``getattr(torch, name)``.
+- A tensor larger than ``buffer_size_bytes`` in ``pack_tensors`` or the broadcast producer
+  is sent in one oversize chunk, as in vLLM, with a ``UserWarning`` naming the tensor, its
+  size and the setting (the wording differs). ``packed_ipc_producer`` refuses it, as vLLM
+  does, with a ``ValueError`` naming the tensor and the size the buffer must have.
+- Every wait on a CUDA stream has a deadline (keyword-only ``timeout_s``, per wait; vLLM
+  waits forever on a dead peer) and raises ``TransferTimeout``; on any failure the group's
+  ``abort()`` is called when it has one, so peers fail at once instead of at their timeout.
+- Slot streams wait for the caller's stream before packing or unpacking, so no parameter
+  is read or written while the caller's queued work still uses it. CUDA sources are
+  recorded on the slot stream that reads them.
+- The producer packs each chunk into a per-slot buffer that is reused (and grown when a
+  chunk needs more) instead of concatenating a new tensor per chunk. The consumer
+  receives every chunk into a new tensor, as vLLM does, so the views it hands to
+  ``post_unpack_func`` stay valid after the call.
+- CPU tensors work: the broadcast functions run without streams over a CPU group, and the
+  IPC functions export a ``/dev/shm`` buffer when ``gpu_uuid="cpu"``.
+- ``unpack_tensor`` and ``packed_ipc_consumer`` refuse metadata whose lists differ in
+  length or whose sizes disagree with the shapes, naming the tensor; ``PackedBufferImporter``
+  counts its ``mapped`` and ``released`` buffers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.compat.packed_ipc import (
+    CPU_HANDLE_KEY,
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    PackedBufferImporter,
+    PackedIpcChunk,
+    check_sizes,
+    packed_ipc_consumer,
+    packed_ipc_producer,
+)
+from weightsync.core.packing import as_bytes, bytes_as, write_bytes_at
+from weightsync.core.transport.groups import CommunicatorGroup, GlooGroup
+from weightsync.core.transport.streams import SlotStreams
+from weightsync.core.wire import dtype_from_name
+
+DEFAULT_PACKED_NUM_BUFFERS = 2
+#: Default deadline, in seconds, of each wait on a CUDA stream inside the broadcast functions.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class PackedChunk:
+    """Tensors packed back to back into one uint8 tensor, with what is needed to unpack them."""
+
+    packed_tensor: torch.Tensor
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[torch.dtype]
+    tensor_sizes: list[int]
+
+
+@dataclass
+class _Taken:
+    """What one chunk took from the iterator, before it is packed."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
+def _take(
+    iterator: Iterator[tuple[str, torch.Tensor]],
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+    buffer_size_bytes: int,
+    current_size: int,
+) -> _Taken:
+    """Take items until the running total exceeds ``buffer_size_bytes`` (vLLM's boundary rule)."""
+    taken = _Taken()
+    total = current_size
+    for item in iterator:
+        tensor = post_iter_func(item)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"post_iter_func returned {type(tensor).__name__} for tensor {item[0]!r}, not a Tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > buffer_size_bytes:
+            warnings.warn(
+                f"tensor '{item[0]}' is {nbytes} bytes, more than buffer_size_bytes={buffer_size_bytes}; it goes "
+                f"in one oversize chunk of at least {nbytes} bytes (raise buffer_size_bytes to keep chunks bounded)",
+                UserWarning,
+                stacklevel=3,
+            )
+        taken.tensors.append(tensor)
+        taken.names.append(item[0])
+        taken.shapes.append(list(tensor.shape))
+        taken.dtypes.append(tensor.dtype)
+        taken.sizes.append(nbytes)
+        total += nbytes
+        if total > buffer_size_bytes:
+            break
+    return taken
+
+
+def _pack_into(buffer: torch.Tensor, offset: int, tensors: list[torch.Tensor], stream: Any = None) -> int:
+    for tensor in tensors:
+        if stream is not None and tensor.is_cuda:
+            tensor.record_stream(stream)  # read on the slot stream: keep it from being reused before
+        offset += write_bytes_at(buffer, offset, tensor)
+    return offset
+
+
+def pack_tensors(
+    iterator: Iterator[tuple[str, torch.Tensor]],
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+    buffer_size_bytes: int,
+    tensor_list: list[torch.Tensor] | None = None,
+    current_size: int = 0,
+) -> PackedChunk | None:
+    """Take (name, tensor) pairs until more than ``buffer_size_bytes`` are held, and pack them.
+
+    ``post_iter_func`` maps each pair to the tensor to send. Taking stops after the tensor
+    that takes the running total (starting at ``current_size``) past ``buffer_size_bytes``,
+    or when the iterator ends; None when nothing was taken. ``tensor_list`` holds tensors
+    already taken by the caller: they are packed first (their names are the caller's to
+    keep) and the new tensors' bytes are appended to it, as in vLLM. The result is one
+    uint8 tensor on the first tensor's device, bytes back to back.
+    """
+    taken = _take(iterator, post_iter_func, buffer_size_bytes, current_size)
+    held = list(tensor_list or [])
+    if tensor_list is not None:
+        tensor_list.extend(as_bytes(t.contiguous()) for t in taken.tensors)
+    everything = held + taken.tensors
+    if not everything:
+        return None
+    total = sum(t.numel() * t.element_size() for t in everything)
+    packed = torch.empty(total, dtype=torch.uint8, device=everything[0].device)
+    _pack_into(packed, 0, everything)
+    return PackedChunk(packed, taken.names, taken.shapes, taken.dtypes, taken.sizes)
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+
+
+def unpack_tensor(
+    packed_tensor: torch.Tensor,
+    names: list[str],
+    shapes: list[list[int]],
+    dtypes: list[torch.dtype],
+    tensor_sizes: list[int],
+) -> list[tuple[str, torch.Tensor]]:
+    """Split a back-to-back packed uint8 tensor into named tensors.
+
+    Results are views of ``packed_tensor`` where the slice may start its dtype, and copies
+    where it may not; clone the views before the packed storage is reused. A dtype given as
+    a name goes through the allow-list.
+    """
+    resolved = [_dtype(d) for d in dtypes]
+    check_sizes(names, shapes, resolved, tensor_sizes)
+    if sum(tensor_sizes) > packed_tensor.numel():
+        raise ValueError(
+            f"tensor_sizes add up to {sum(tensor_sizes)} bytes, the packed tensor has {packed_tensor.numel()}"
+        )
+    out = []
+    offset = 0
+    for name, shape, dtype, size in zip(names, shapes, resolved, tensor_sizes):
+        out.append((name, bytes_as(packed_tensor, offset, size, dtype, shape)))
+        offset += size
+    return out
+
+
+def _check_settings(buffer_size_bytes: int, num_buffers: int, timeout_s: float) -> None:
+    for what, value in (("buffer_size_bytes", buffer_size_bytes), ("num_buffers", num_buffers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{what} must be a positive int, got {value!r}")
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
+
+
+def _abort(group: Any) -> None:
+    abort = getattr(group, "abort", None)
+    if callable(abort):
+        abort()
+
+
+def _late(what: str, timeout_s: float) -> str:
+    return (
+        f"{what} did not complete within {timeout_s:.1f}s: a peer of the group is dead, stuck or too slow "
+        "(raise timeout_s for slow links)"
+    )
+
+
+def packed_nccl_broadcast_producer(
+    iterator: Iterator[tuple[str, torch.Tensor]],
+    group: Any,
+    src: int,
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Broadcast ``post_iter_func(item)`` for every item from rank ``src``, packed into chunks.
+
+    With CUDA tensors, chunk k is packed and broadcast on slot stream ``k % num_buffers``, so
+    packing chunk k+1 overlaps sending chunk k; a slot is reused only after its stream
+    finished. Every slot is drained before returning. Consumers must use the same
+    ``buffer_size_bytes`` and metadata for the same tensors in the same order.
+    """
+    _check_settings(buffer_size_bytes, num_buffers, timeout_s)
+    iterator = iter(iterator)
+    first = next(iterator, None)
+    if first is None:
+        return
+    streams = SlotStreams(first[1].device if first[1].is_cuda else torch.device("cpu"), num_buffers)
+    items = itertools.chain([first], iterator)
+    buffers: list[torch.Tensor | None] = [None] * num_buffers
+    caller = streams.caller_stream()
+    slot = 0
+    try:
+        while True:
+            streams.drain_slot(
+                slot, time.monotonic() + timeout_s, _late(f"slot {slot}'s previous broadcast", timeout_s)
+            )
+            with streams.use(slot):
+                streams.wait_for(slot, caller)
+                taken = _take(items, post_iter_func, buffer_size_bytes, 0)
+                if not taken.names:
+                    break
+                total = sum(taken.sizes)
+                buffer = buffers[slot]
+                if buffer is None or buffer.numel() < total or buffer.device != taken.tensors[0].device:
+                    buffer = torch.empty(total, dtype=torch.uint8, device=taken.tensors[0].device)
+                    buffers[slot] = buffer
+                _pack_into(buffer, 0, taken.tensors, streams.stream(slot) if streams.is_cuda else None)
+                del taken
+                group.broadcast(buffer[:total], src=src)
+            slot = (slot + 1) % num_buffers
+        streams.drain(time.monotonic() + timeout_s, _late("the last broadcasts", timeout_s))
+    except BaseException:
+        _abort(group)
+        raise
+
+
+def _take_meta(
+    iterator: Iterator[tuple[str, tuple[list[int], torch.dtype]]], buffer_size_bytes: int
+) -> list[tuple[str, list[int], torch.dtype, int]]:
+    metas: list[tuple[str, list[int], torch.dtype, int]] = []
+    total = 0
+    for name, (shape, dtype) in iterator:
+        resolved = _dtype(dtype)
+        shape = list(shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape} must be non-negative integers")
+        nbytes = math.prod(shape) * resolved.itemsize
+        metas.append((name, shape, resolved, nbytes))
+        total += nbytes
+        if total > buffer_size_bytes:
+            break
+    return metas
+
+
+def packed_nccl_broadcast_consumer(
+    iterator: Iterator[tuple[str, tuple[list[int], torch.dtype]]],
+    group: Any,
+    src: int,
+    post_unpack_func: Callable[[list[tuple[str, torch.Tensor]]], None],
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    device: torch.device | str = "cuda",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Receive what the producer broadcasts and hand each chunk's tensors to ``post_unpack_func``.
+
+    ``iterator`` gives ``(name, (shape, dtype))`` in the producer's order; chunk boundaries
+    follow from it exactly as the producer's follow from its tensors. ``device`` is where
+    chunks are received (the communicator's device). ``post_unpack_func`` runs on the slot's
+    stream with views into that chunk's own tensor. Every slot is drained before returning.
+    """
+    _check_settings(buffer_size_bytes, num_buffers, timeout_s)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    streams = SlotStreams(dev, num_buffers)
+    in_flight: list[torch.Tensor | None] = [None] * num_buffers
+    caller = streams.caller_stream()
+    iterator = iter(iterator)
+    slot = 0
+    try:
+        while True:
+            metas = _take_meta(iterator, buffer_size_bytes)
+            if not metas:
+                break
+            streams.drain_slot(slot, time.monotonic() + timeout_s, _late(f"slot {slot}'s previous chunk", timeout_s))
+            in_flight[slot] = None
+            with streams.use(slot):
+                streams.wait_for(slot, caller)
+                packed = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8, device=dev)
+                group.broadcast(packed, src=src)
+                in_flight[slot] = packed
+                names, shapes, dtypes, sizes = (list(column) for column in zip(*metas))
+                post_unpack_func(unpack_tensor(packed, names, shapes, dtypes, sizes))
+            slot = (slot + 1) % num_buffers
+        streams.drain(time.monotonic() + timeout_s, _late("unpacking the last chunks", timeout_s))
+    except BaseException:
+        _abort(group)
+        raise
+
+
+__all__ = [
+    "CPU_HANDLE_KEY",
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
+    "DEFAULT_PACKED_NUM_BUFFERS",
+    "DEFAULT_TIMEOUT_S",
+    "CommunicatorGroup",
+    "GlooGroup",
+    "PackedBufferImporter",
+    "PackedChunk",
+    "PackedIpcChunk",
+    "pack_tensors",
+    "packed_ipc_consumer",
+    "packed_ipc_producer",
+    "packed_nccl_broadcast_consumer",
+    "packed_nccl_broadcast_producer",
+    "unpack_tensor",
+]

@@ -1,0 +1,151 @@
+"""Push mode's trainer side: start a direct sync without a Ray call to any worker.
+
+A colocated direct sync is one copy of the model plus, with a Ray call per party, about a
+millisecond of Ray starting and returning the calls. In push mode the direct workers
+listen (:mod:`weightsync.core.listener`), so a sync is one call into the trainer (from
+``WeightSync.sync``), or none at all: ``TrainerMixin.weightsync_push(version)`` syncs from
+inside the trainer's own method, for a loop that trains and pushes in one call. Per push::
+
+    Pusher.push(send, call)
+      post the call in every listening worker's mailbox, ring each doorbell
+      send(call)                  the direct half: wait for each announcement, copy, "written"
+      collect each worker's PushAnswer (its outcome, version and state), by the deadline
+    -> PushResult                 failures as data, as from Ray calls
+
+The trainer names a worker whose process ended as dead and one that never answered as
+timed out, exactly as the coordinator does for Ray calls, so blame and settling work the
+same way; a worker whose listener is gone (its doorbell refuses, its mailbox says it
+stopped) is answered at once, not at the deadline. A failing side aborts its own transport;
+after a failed push this pusher answers ``setup_needed`` until ``WeightSync.setup()``
+(``WeightSync.sync`` does that itself).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from weightsync.core.transport.control import Deadlines
+from weightsync.core.transport.mailbox import ANSWERED, Mailbox
+from weightsync.core.transport.regions import RegionImporter
+from weightsync.core.transport.shm import pid_alive
+from weightsync.core.wire.errors import TransferTimeout, WeightSyncError
+from weightsync.core.wire.messages import PushAnswer, PushExport, PushResult, SendResult, SyncCall
+from weightsync.core.wire.outcome import Outcome, Status, failed, ok
+
+
+@dataclass
+class _Box:
+    export: PushExport
+    mailbox: Mailbox
+    importer: RegionImporter
+
+
+class Pusher:
+    """The trainer's mailboxes of the listening workers, and the push sequence."""
+
+    def __init__(self, timeout_s: float, name: str = "trainer") -> None:
+        self.deadlines = Deadlines(timeout_s)
+        self.name = name
+        self._boxes: dict[str, _Box] = {}
+        self.seq = 0
+        self.broken = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self._boxes)
+
+    def attach(self, exports: Sequence[PushExport]) -> None:
+        for export in exports:
+            self.forget(export.worker)
+            importer = RegionImporter(f"{self.name}->{export.worker} mailbox")
+            mailbox = Mailbox.attach(importer.map(export.mailbox), self.name, export.mailbox.path)
+            self._boxes[export.worker] = _Box(export, mailbox, importer)
+
+    def push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
+        """Run one sync of ``call.direct`` (its seq is this pusher's); failures come back as data."""
+        start = time.perf_counter()
+        deadline = self.deadlines.follower(time.monotonic())
+        if self.broken:
+            return PushResult(
+                version=call.version, sent=ok(self.name, "send", SendResult()), workers={}, setup_needed=True
+            )
+        unknown = [w for w in call.direct if w not in self._boxes]
+        if unknown or not call.direct:
+            raise WeightSyncError(
+                f"{self.name}: push to {list(call.direct)}, listening workers are {list(self._boxes)}; "
+                "push mode needs every worker on the direct transport (run setup() after adding one)"
+            )
+        call = replace(call, seq=self.seq, kinds=("direct",))
+        self.seq += 1
+        answers: dict[str, PushAnswer] = {}
+        for worker in call.direct:
+            box = self._boxes[worker]
+            if not box.mailbox.stopped:
+                box.mailbox.post(call)
+                try:
+                    self._sock.sendto(b"!", box.export.doorbell)
+                    continue
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            if not pid_alive(box.export.pid):
+                answers[worker] = PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
+                continue
+            why = WeightSyncError(f"{worker}: its listener is gone (nobody answers its doorbell); run setup() again")
+            answers[worker] = PushAnswer(outcome=failed(worker, "receive", why), version=None, state="unknown")
+        live = tuple(w for w in call.direct if w not in answers)
+        try:
+            try:
+                sent = ok(self.name, "send", send(replace(call, direct=live)) if live else SendResult())
+            except Exception as exc:  # noqa: BLE001 - travels as data, with the workers' answers
+                sent = failed(self.name, "send", exc)
+            for worker in live:
+                answers[worker] = self._collect(worker, call.seq, deadline)
+            result = PushResult(version=call.version, sent=sent, workers=answers, seconds=time.perf_counter() - start)
+        finally:
+            # Anything short of a clean result leaves the transports to a new setup.
+            self.broken = True
+        self.broken = not result.ok
+        return result
+
+    def _collect(self, worker: str, seq: int, deadline: float) -> PushAnswer:
+        """``worker``'s answer to push ``seq``; its death, silence or lost listener as data."""
+        box = self._boxes[worker]
+        mailbox = box.mailbox
+        control = mailbox.control
+        try:
+            control.wait(
+                lambda: control[ANSWERED] == seq + 1 or mailbox.stopped,
+                deadline,
+                self.name,
+                lambda: f"{worker}'s answer to push {seq}",
+                [self.name, worker],
+                peer_pid=lambda: box.export.pid,
+                late=lambda: [worker],
+            )
+            if control[ANSWERED] != seq + 1:
+                raise WeightSyncError(f"{worker}: its listener ended before answering push {seq}")
+            return mailbox.answer()
+        except TransferTimeout:
+            return PushAnswer(outcome=_lost(worker, Status.TIMED_OUT), version=None, state="unknown")
+        except Exception as exc:  # noqa: BLE001 - this worker's failure, as data; the others' answers stand
+            if not pid_alive(box.export.pid):
+                return PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
+            return PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
+
+    def forget(self, worker: str) -> None:
+        box = self._boxes.pop(worker, None)
+        if box is not None:
+            box.importer.release_all()
+
+    def close(self) -> None:
+        for worker in list(self._boxes):
+            self.forget(worker)
+        self._sock.close()
+
+
+def _lost(worker: str, status: Status) -> Outcome:
+    return Outcome(party=worker, phase="receive", status=status)

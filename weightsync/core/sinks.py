@@ -1,0 +1,221 @@
+"""Where received tensors land on a worker.
+
+* :class:`ModuleSink` copies into an ``nn.Module``'s parameters and buffers by name. Its
+  destinations are the parameters themselves, so unpacking is one copy from the buffer
+  straight into the weights, and it allows the one-copy ``direct`` transport.
+* :class:`LoadWeightsSink` hands ``(name, tensor)`` lists to a ``load_weights`` callable,
+  the convention of inference engines (vLLM's ``model.load_weights``), which rename, fuse
+  and shard as they load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
+from weightsync.core.transport.base import Landing
+from weightsync.core.wire.errors import ModelChangedError
+from weightsync.core.wire.manifest import Manifest, TensorSpec
+
+
+def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and persistent buffers, in registration order.
+
+    Tied tensors (one Parameter registered under two names, as tied embeddings are) appear
+    once, under their first name, so they travel once and stay tied on the worker.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        seen.add(id(param))
+        out.append((name, param))
+    for module_name, sub in module.named_modules():
+        skip: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
+        for buffer_name, buffer in sub.named_buffers(recurse=False):
+            if buffer is None or buffer_name in skip or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
+    return out
+
+
+class TensorPaths:
+    """The objects along the path to each named tensor of a module, for a cheap re-check.
+
+    Each link (a module's ``_modules``, ``_parameters`` or ``_buffers`` entry) is recorded
+    once; :meth:`unchanged` looks each up again. If every link still holds the same object,
+    every name still reaches the same tensor object, without walking the module tree or
+    building names (which costs more per sync than the copies of a small model).
+    The number of entries in every module's tables is recorded too, so a tensor or module
+    added anywhere is noticed. A tensor object can still have been given new storage or a
+    new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
+    """
+
+    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
+        links: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
+
+        def follow(name: str) -> torch.Tensor:
+            owner = module
+            *path, leaf = name.split(".")
+            for part in path:
+                child = owner._modules[part]
+                assert child is not None
+                links[(id(owner._modules), part)] = (owner._modules, part, child)  # type: ignore[assignment]
+                owner = child
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            tensor = table[leaf]
+            assert tensor is not None
+            links[(id(table), leaf)] = (table, leaf, tensor)  # type: ignore[assignment]
+            return tensor
+
+        self.tensors = [follow(name) for name in names]
+        # Every other name of a tied or shared tensor too: untying one (a new tensor under
+        # the second name) must send the caller back to a full check.
+        for alias, _ in module.named_parameters(remove_duplicate=False):
+            follow(alias)
+        for module_name, sub in module.named_modules(remove_duplicate=False):
+            for buffer_name in sub._buffers:
+                if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
+                    follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+        self._links = list(links.values())
+        # How many entries each module's tables hold: a tensor or module added anywhere
+        # (which no recorded link would notice) changes one of these counts.
+        self._census = [
+            (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
+        ]
+
+    def unchanged(self) -> bool:
+        return all(len(table) == count for table, count in self._census) and all(
+            table.get(key) is obj for table, key, obj in self._links
+        )
+
+
+class Sink(Landing, Protocol):
+    """What a receiver needs from the place tensors go: a transport's :class:`Landing`, plus
+    what the handshake and ``WeightSync.verify`` ask."""
+
+    def local_specs(self) -> Sequence[TensorSpec] | None:
+        """What this worker holds, for the handshake; None accepts any manifest."""
+
+    def checksums(self, manifest: Manifest) -> list[int] | None:
+        """Per spec, the checksum of what this worker holds (or last received), or None when
+        it cannot tell (nothing received yet)."""
+
+
+def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
+    problems = [p for spec, t in zip(manifest.specs, held) if (p := spec.mismatch(t)) is not None]
+    if problems:
+        raise ModelChangedError(
+            "tensors changed since setup and cannot receive the manifest's bytes without a cast or a "
+            f"broadcast (nothing was written): {'; '.join(problems)}; restore them or run setup() again"
+        )
+
+
+class ModuleSink:
+    """Copies received tensors into ``module``'s parameters and buffers by name."""
+
+    keeps_references = False
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._by_name: dict[str, torch.Tensor] = {}
+        self._order: list[torch.Tensor] = []
+        self._paths: TensorPaths | None = None  # how _order was reached, for direct syncs
+
+    def held(self) -> dict[str, torch.Tensor]:
+        return dict(module_tensors(self.module))
+
+    def local_specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(name, tensor) for name, tensor in module_tensors(self.module)]
+
+    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
+        self._by_name = self.held()
+        missing = [spec.name for spec in manifest.specs if spec.name not in self._by_name]
+        if missing:
+            raise ModelChangedError(
+                f"tensors of the manifest no longer in the model: {', '.join(missing)}; run setup() again"
+            )
+        self._order = [self._by_name[spec.name] for spec in manifest.specs]
+        _check_held(manifest, self._order)
+        return [t.data if t.is_contiguous() else None for t in self._order]
+
+    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in items:
+                self._by_name[name].copy_(tensor)
+
+    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
+        """The held tensors themselves, in manifest order (the direct transport reads their
+        data pointers and shapes, copies from them under no_grad, and rebinds them)."""
+        if self._paths is None or not self._paths.unchanged():
+            held = self.held()
+            self._order = [held[spec.name] for spec in manifest.specs]
+            self._paths = TensorPaths(self.module, manifest.names)
+        return self._order
+
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        self._order[index].data = tensor
+
+    def checksums(self, manifest: Manifest) -> list[int]:
+        held = self.held()
+        missing = [spec.name for spec in manifest.specs if spec.name not in held]
+        if missing:
+            raise ModelChangedError(f"tensors of the manifest no longer in the model: {', '.join(missing)}")
+        return tensor_checksums([held[spec.name] for spec in manifest.specs])
+
+
+class LoadWeightsSink:
+    """Hands each chunk's tensors to ``load_weights(iterable of (name, tensor))``.
+
+    ``copies_immediately=True`` (the engines' behaviour: each weight is copied into the
+    engine's own parameter inside the call) passes views into the receive buffer, which
+    saves a copy; pass False for a loader that keeps references (for instance one that
+    buffers tensors to replay later), and it gets clones instead. ``expected_specs``, when
+    given, is checked against the trainer's manifest in the handshake.
+
+    It records a checksum of every tensor it is handed (computed where the tensor lives,
+    read back only when asked), so ``WeightSync.verify`` can compare the bytes this worker
+    received at its last sync with the trainer's; ``record_checksums=False`` skips that
+    read of every byte.
+    """
+
+    def __init__(
+        self,
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+        copies_immediately: bool = True,
+        expected_specs: Sequence[TensorSpec] | None = None,
+        record_checksums: bool = True,
+    ) -> None:
+        self._load_weights = load_weights
+        self.keeps_references = not copies_immediately
+        self._expected = list(expected_specs) if expected_specs is not None else None
+        self._record = record_checksums
+        self._received: dict[str, torch.Tensor] = {}
+
+    def local_specs(self) -> list[TensorSpec] | None:
+        return self._expected
+
+    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
+        return [None] * len(manifest.specs)
+
+    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            if self._record:
+                for name, tensor in items:
+                    self._received[name] = word_sum(tensor)
+            self._load_weights(iter(items))
+
+    def checksums(self, manifest: Manifest) -> list[int] | None:
+        if not self._record or any(spec.name not in self._received for spec in manifest.specs):
+            return None
+        return read_checksums([self._received[spec.name] for spec in manifest.specs])
+
+    def direct_tensors(self, manifest: Manifest) -> None:
+        return None
+
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        raise TypeError("LoadWeightsSink transforms tensors on load; it cannot take direct writes")

@@ -1,0 +1,134 @@
+"""The transport interface: what every mechanism (broadcast, ipc, direct) implements.
+
+Each transport has two halves, one per side, with the same lifecycle::
+
+    setup   the transport's own steps, driven by the coordinator (form a group; export
+            and attach slots; export and map a worker's tensors), after which the half
+            below exists on each side
+    sync    SendHalf.send(sources, call)                 on the trainer
+            ReceiveHalf.receive(sink, call, begin)       on each worker, at the same time
+    failure abort(): tell every peer of this transport at once (abort word, group abort)
+    end     close(): release groups, mappings and regions
+
+A half never changes a worker's state itself: the receiver's state machine
+(:class:`weightsync.core.receiver.WeightReceiver`) calls ``receive`` and is told, through
+``begin``, the moment before the first byte lands in the worker's tensors. Transports
+import no endpoint and no Ray.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
+
+import torch
+
+from weightsync.core.packing import ChunkUnpacker
+from weightsync.core.wire.manifest import Manifest
+from weightsync.core.wire.messages import SyncCall
+
+log = logging.getLogger("weightsync")
+
+
+class Landing(Protocol):
+    """What a receiving half needs from the place tensors go (a sink: see weightsync.core.sinks)."""
+
+    #: True when the sink keeps references to what it is handed past the call; it then
+    #: gets clones, never views into a buffer that the next chunk overwrites.
+    keeps_references: bool
+
+    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
+        """Per spec, a tensor of the spec's dtype and shape to copy into, or None to be handed
+        it; refuses (naming the tensor) a held tensor whose dtype or shape left the manifest."""
+
+    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Take tensors that had no destination."""
+
+    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor] | None:
+        """The tensors the direct transport may write into, or None if it may not."""
+
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        """Point the held tensor for spec ``index`` at ``tensor`` (direct transport)."""
+
+
+def unpacker_for(manifest: Manifest, landing: Landing) -> ChunkUnpacker:
+    """The unpacker of one sync into ``landing`` (its destinations are looked up once)."""
+    destinations = landing.destinations(manifest)
+    return ChunkUnpacker(manifest.specs, destinations.__getitem__, landing.keeps_references)
+
+
+class Sources:
+    """The trainer's tensors for one sync, in manifest order, with their copy-plan key.
+
+    ``streamed``: the tensors are made as they are read (a sharded rank gathers them bucket
+    by bucket, :mod:`weightsync.core.sharded`): read them in manifest order, keep none past its
+    use, and plan nothing on their addresses (``key`` is None).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], key: object, streamed: bool = False) -> None:
+        self.tensors = tensors
+        self.key = key
+        self.streamed = streamed
+
+
+class SendHalf(abc.ABC):
+    """The trainer's half of one transport for one session."""
+
+    kind: ClassVar[str]
+
+    @abc.abstractmethod
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
+        """Move ``sources`` to every peer of this transport by ``deadline`` (one for the
+        trainer's whole sync, whatever it drives); returns (checksums, stale peers)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Tell every peer at once that this side failed (safe to call at any time)."""
+
+    @abc.abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Release what the session holds (with ``abort``: after telling the peers)."""
+
+
+class ReceiveHalf(abc.ABC):
+    """A worker's half of one transport for one session."""
+
+    kind: ClassVar[str]
+    #: True when ``receive`` returning means the trainer finished its side too (the
+    #: colocated transports see it on the control block), so the worker may commit at once.
+    #: A broadcast receiver cannot tell, and commits in a later call.
+    knows_sender_finished: ClassVar[bool]
+
+    @abc.abstractmethod
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        """Take one sync's bytes into ``sink``; returns (checksums, stale tensor names).
+
+        Calls ``begin()`` right before the first byte lands; a failure before that left the
+        worker's tensors untouched.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Tell every peer at once that this side failed (safe to call at any time)."""
+
+    @abc.abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Release what the session holds."""
+
+
+def shed_traceback(exc: BaseException) -> BaseException:
+    """``exc`` without its tracebacks (its causes' too), to be raised again after an abort.
+
+    A failed call's frames hold its in-flight collectives, and a gloo group closes its
+    sockets, which is what tells the peers at once, only when the last of those is gone.
+    """
+    log.debug("weightsync: failed, telling the peers: %s", exc, exc_info=exc)
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc

@@ -1,0 +1,318 @@
+"""One-copy colocated transfer: the trainer writes straight into the worker's tensors.
+
+At setup the worker moves its synced tensors into one region it exports (CUDA IPC on a
+GPU; ``/dev/shm`` on a CPU), laid out at aligned offsets, and rebinds each tensor to its
+view of the region; the trainer maps the region once. A sync is then one copy of each
+tensor from the trainer's parameter into its mapped destination, with no packing buffer
+and no second copy: on a GPU one kernel launch over a table of all of them
+(``batched_copy``), elsewhere (and for casts to the wire dtype) one ``copy_`` per tensor.
+
+Each export carries a small control block, so a sync is one call per side, started
+together, with no Ray round trip between them::
+
+    worker (DirectTarget.receive)            trainer (DirectWriter.send, per worker)
+      a tensor's dtype or shape left the       plans the copies, waits for the announcement
+        manifest? -> fail, naming it           "stale": writes nothing, names the worker
+      storage moved? -> announce "stale"       "ready": copies, synchronizes, (checksums
+      else announce "ready"                       with verify), "written"
+      wait for "written" (check checksums)
+    the receiver commits the version
+
+A worker whose tensors moved since its export (a new tensor object or data pointer) is
+never written: the coordinator re-exports it and runs the sync again for that worker. A
+tensor whose dtype or shape changed is never written at all: the sync fails naming it.
+The worker must not read its weights between its announcement and its commit (an
+inference engine pauses generation, as it does for any in-place weight update).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.core.packing import read_checksums, tensor_checksums, typed_view, word_sum
+from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
+from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
+from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.transport.regions import Region, RegionImporter, make_region
+from weightsync.core.transport.streams import SlotStreams
+from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
+from weightsync.core.wire.manifest import Manifest
+from weightsync.core.wire.messages import DirectExport, SyncCall
+
+Rebind = Callable[[int, torch.Tensor], None]
+
+# Control words: the target's announcement (seq + 1 when ready, -(seq + 1) when stale), the
+# writer's completion (seq + 1), each side's pid, then one checksum per tensor (verify).
+_ANNOUNCED, _WRITTEN, _TARGET_PID, _WRITER_PID, _FIRST_CHECKSUM = range(5)
+_CODE = worker_code(0)
+
+
+def _mismatches(manifest: Manifest, tensors: Sequence[torch.Tensor], who: str) -> None:
+    if len(tensors) != len(manifest.specs):
+        raise ManifestError(f"{who}: holds {len(tensors)} tensors, the manifest has {len(manifest.specs)}")
+    problems = [p for spec, t in zip(manifest.specs, tensors) if (p := spec.mismatch(t)) is not None]
+    if problems:
+        raise ManifestError(
+            f"{who}: tensors changed since setup and cannot be written without a cast or a broadcast "
+            f"(nothing was written): {'; '.join(problems)}; restore them or run setup() again"
+        )
+
+
+class DirectTarget(ReceiveHalf):
+    """The worker's side: owns the exported region its tensors now live in."""
+
+    kind = "direct"
+    knows_sender_finished = True
+
+    def __init__(self, manifest: Manifest, device: torch.device, name: str, timeout_s: float = 60.0) -> None:
+        self.manifest = manifest
+        self.device = device
+        self.name = name
+        self.deadlines = Deadlines(timeout_s)
+        self._region: Region | None = None
+        self._control: ControlBlock | None = None
+        self._export: DirectExport | None = None
+        self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
+        self.exports_made = 0
+
+    def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
+        """Move ``tensors`` (aligned with the manifest) into a fresh exported region.
+
+        Each tensor's current values are copied in and ``rebind(i, view)`` points the
+        worker's tensor at its view, so the worker keeps serving the same weights.
+        """
+        _mismatches(self.manifest, tensors, self.name)
+        offsets, total = self.manifest.region_layout()
+        region = make_region(total, self.device, tag="direct")
+        pointers = []
+        with torch.no_grad():
+            for index, (spec, tensor, offset) in enumerate(zip(self.manifest.specs, tensors, offsets)):
+                view = typed_view(region.tensor, offset, spec)
+                view.copy_(tensor)
+                rebind(index, view)
+                pointers.append(view.data_ptr())
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.close()
+        self._region = region
+        self._control = ControlBlock.create(_FIRST_CHECKSUM + len(self.manifest.specs), tag="dctl")
+        self._control[_TARGET_PID] = os.getpid()
+        self._layout = [
+            (pointer, torch.Size(spec.shape), spec.torch_dtype) for pointer, spec in zip(pointers, self.manifest.specs)
+        ]
+        self._export = DirectExport(
+            session=uuid.uuid4().hex[:16],
+            worker=self.name,
+            region=region.handle(),
+            offsets=offsets,
+            control=self._control.handle(),
+        )
+        self.exports_made += 1
+        return self._export
+
+    def stale(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        """Names of tensors whose storage moved since the export (never write into those).
+
+        Refuses, naming them, tensors whose dtype or shape left the manifest: those are not
+        stale but wrong, and no re-export may paper over them with a cast.
+        """
+        current = [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
+        if current == self._layout:
+            return []
+        _mismatches(self.manifest, tensors, self.name)
+        return [spec.name for spec, now, then in zip(self.manifest.specs, current, self._layout) if now != then]
+
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        """Announce, wait for the trainer's write, check it (with ``verify``)."""
+        control = self._ctl()
+        tensors = sink.direct_tensors(self.manifest)
+        if tensors is None:
+            raise WeightSyncError(f"{self.name}: its sink transforms tensors on load and cannot take direct writes")
+        moved = self.stale(tensors)
+        if moved:
+            control[_ANNOUNCED] = -(call.seq + 1)
+            return [], tuple(moved)
+        if control.aborted_by:
+            # The trainer gave up before this side got here (a late worker): nothing written.
+            raise PeerAborted(f"{self.name}: the trainer already abandoned sync {call.seq}", blames=["trainer"])
+        begin()
+        control[_ANNOUNCED] = call.seq + 1
+        control.wait(
+            lambda: control[_WRITTEN] == call.seq + 1,
+            self.deadlines.follower(time.monotonic()),
+            self.name,
+            lambda: "the trainer to finish writing",
+            ["trainer", self.name],
+            peer_pid=lambda: control[_WRITER_PID],
+            late=lambda: ["trainer"],
+        )
+        if not call.verify:
+            return [], ()
+        mine = tensor_checksums(tensors)
+        for index, (spec, got) in enumerate(zip(self.manifest.specs, mine)):
+            if got != control[_FIRST_CHECKSUM + index] & 0xFFFFFFFFFFFFFFFF:
+                raise ChecksumMismatch(
+                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from the "
+                    "trainer's: the write went wrong"
+                )
+        return mine, ()
+
+    def _ctl(self) -> ControlBlock:
+        if self._control is None:
+            raise WeightSyncError(f"{self.name}: no direct export; run setup()")
+        return self._control
+
+    def seal(self) -> None:
+        """Once the writer mapped the export: unlink shared-memory names (nothing can leak)."""
+        if self._region is not None:
+            self._region.unlink()
+        if self._control is not None:
+            self._control.unlink()
+
+    @property
+    def current(self) -> DirectExport | None:
+        return self._export
+
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(_CODE)
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        if self._region is not None:
+            self._region.close()
+        if self._control is not None:
+            self._control.close()
+        self._region = self._control = None
+        self._export = None
+
+
+@dataclass
+class _Mapped:
+    export: DirectExport
+    destinations: list[torch.Tensor | None]
+    control: ControlBlock
+    plan: CopyPlan | None = None  # the batched copies for the sources seen last
+
+
+class DirectWriter(SendHalf):
+    """The trainer's side: maps each worker's region once and writes into it."""
+
+    kind = "direct"
+
+    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
+        self.manifest = manifest
+        self.device = device
+        self.deadlines = Deadlines(timeout_s)
+        self.name = name
+        self.importers: dict[str, RegionImporter] = {}
+        self._mapped: dict[str, _Mapped] = {}
+        self._streams = SlotStreams(device, 1)
+        self._copier = BatchedCopier.create(device)
+
+    def map(self, export: DirectExport) -> None:
+        """Map a worker's export; a new export from the same worker releases the old mapping."""
+        previous = self._mapped.get(export.worker)
+        if previous is not None and previous.export.session == export.session:
+            return
+        offsets, total = self.manifest.region_layout()
+        if export.offsets != offsets or export.region.nbytes < total:
+            raise WeightSyncError(
+                f"{self.name}: {export.worker}'s direct export has {len(export.offsets)} offsets in "
+                f"{export.region.nbytes} bytes, the manifest lays out {len(offsets)} in {total}: an export made "
+                "for another manifest; run setup() again"
+            )
+        self._mapped.pop(export.worker, None)
+        importer = self.importers.setdefault(export.worker, RegionImporter(f"{self.name}->{export.worker}"))
+        importer.release_all()
+        region = importer.map(export.region)
+        control = ControlBlock.attach(importer.map(export.control), self.name, export.control.path)
+        control[_WRITER_PID] = os.getpid()
+        # Views made once per mapping: a sync is then only the copies.
+        destinations = [
+            typed_view(region, offset, spec) if spec.nbytes else None
+            for spec, offset in zip(self.manifest.specs, export.offsets)
+        ]
+        self._mapped[export.worker] = _Mapped(export, destinations, control)
+
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
+        """Write ``call.direct``'s workers in turn; returns (checksums, workers found stale)."""
+        checksums: list[int] = []
+        if call.verify:
+            with torch.no_grad():
+                # One cast at a time: streamed sources must not all be alive at once.
+                checksums = read_checksums(
+                    [word_sum(s.to(spec.torch_dtype)) for s, spec in zip(sources.tensors, self.manifest.specs)]
+                )
+        stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, deadline, checksums))
+        return checksums, stale
+
+    def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
+        """Copy every source into ``worker``'s region for sync ``seq``, once the worker
+        announced it is ready; visible to the worker on return. False (nothing written)
+        when the worker announced that its tensors moved since its export."""
+        mapped = self._mapped.get(worker)
+        if mapped is None:
+            raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
+        control = mapped.control
+        # Everything that does not depend on the worker runs before its announcement is
+        # checked: the plan, and ordering the copy stream after the caller's work.
+        copier = None if sources.streamed else self._copier
+        plan = mapped.plan
+        tensors = sources.tensors
+        if copier is not None:
+            key = sources.key if sources.key is not None else plan_key(tensors)
+            if plan is None or (plan.key is not key and plan.key != key):
+                plan = mapped.plan = copier.plan(mapped.destinations, tensors, key)  # type: ignore[arg-type]
+        self._streams.wait_for(0, self._streams.caller_stream())
+        control.wait(
+            lambda: abs(control[_ANNOUNCED]) == seq + 1,
+            deadline,
+            self.name,
+            lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
+            [self.name, worker],
+            peer_pid=lambda: control[_TARGET_PID],
+            late=lambda: [worker],
+        )
+        if control[_ANNOUNCED] < 0:
+            return False
+        with torch.no_grad():  # sources may be parameters that require grad
+            if copier is not None and plan is not None:
+                copier.run(plan, mapped.destinations, tensors, self._streams.stream(0))
+            else:
+                with self._streams.use(0):
+                    for destination, source in zip(mapped.destinations, tensors):
+                        if destination is not None:
+                            destination.copy_(source)
+        self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out", own=True)
+        for index, checksum in enumerate(checksums):
+            control[_FIRST_CHECKSUM + index] = _signed(checksum)
+        control[_WRITTEN] = seq + 1
+        return True
+
+    def abort(self) -> None:
+        for mapped in self._mapped.values():
+            mapped.control.abort(TRAINER)
+
+    def forget(self, worker: str) -> None:
+        importer = self.importers.pop(worker, None)
+        self._mapped.pop(worker, None)
+        if importer is not None:
+            importer.release_all()
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        for worker in list(self._mapped):
+            self.forget(worker)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value

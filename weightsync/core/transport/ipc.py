@@ -1,0 +1,426 @@
+"""Packed transfer through slots the trainer exports once and each worker maps once.
+
+For a trainer and workers on one device (one GPU, or one host on CPU) whose sink transforms
+tensors on load, where a collective is impossible (NCCL refuses two ranks on one GPU). The
+producer allocates ``num_buffers`` slots in one exported region and packs chunk k into slot
+``k % num_buffers``; each consumer copies out of its mapping of the same memory.
+
+Per sync, one call per side (``send`` and ``receive``, started together). Slots are handed
+over on the control block: the producer publishes chunk g after its bytes are visible, each
+consumer acknowledges g after its copy out finished, and the producer writes slot
+``g % num_buffers`` only once every consumer acknowledged chunk ``g - num_buffers``; so with
+two slots the producer packs chunk k+1 while consumers read chunk k, and a slot is never
+rewritten while anyone reads it. On a GPU no side waits on the host per chunk: the producer
+records an interprocess CUDA event after packing a slot and publishes at once; a consumer's
+stream waits on it, unpacks, records its own event and acknowledges; the producer's stream
+waits on every consumer's event before packing that slot again. Each side synchronizes
+once, at the end of a sync.
+
+The per-chunk API (``IpcSender.pack`` -> :class:`ChunkHandle` -> ``IpcReceiver.consume``) is
+for callers that hand chunks over themselves, as vLLM's packed IPC helpers do: the caller
+must not pack into a slot again before every consumer's ``consume`` of it returned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from weightsync.core.packing import ChunkUnpacker, byte_checksum, pack_chunk
+from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
+from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.transport.regions import Region, RegionImporter, make_region
+from weightsync.core.transport.streams import SlotStreams, wait_for_stream
+from weightsync.core.wire.errors import ChecksumMismatch, WeightSyncError
+from weightsync.core.wire.manifest import Manifest
+from weightsync.core.wire.messages import ChunkHandle, IpcExport, SyncCall
+
+# Control words: chunks published, the chunk the producer waits to write (0 when not
+# waiting), the producer's pid; then per consumer its acknowledged count and its pid; then
+# one checksum per slot.
+_PUBLISHED, _WAITING, _PRODUCER_PID = 0, 1, 2
+_FIRST_CONSUMER = 3
+
+
+def _ack_word(consumer: int) -> int:
+    return _FIRST_CONSUMER + 2 * consumer
+
+
+def _pid_word(consumer: int) -> int:
+    return _FIRST_CONSUMER + 2 * consumer + 1
+
+
+def _checksum_word(num_consumers: int, slot: int) -> int:
+    return _FIRST_CONSUMER + 2 * num_consumers + slot
+
+
+def _as_word(checksum: int) -> int:
+    return int(np.uint64(checksum).view(np.int64))
+
+
+def _from_word(word: int) -> int:
+    return int(np.int64(word).view(np.uint64))
+
+
+class IpcSender(SendHalf):
+    """The producer: exports ``num_buffers`` slots once and packs chunks into them."""
+
+    kind = "ipc"
+
+    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
+        self.manifest = manifest
+        self.device = device
+        self.deadlines = Deadlines(timeout_s)
+        self.name = name
+        self.streams = SlotStreams(device, manifest.num_buffers)
+        self._slots: Region | None = None
+        self._control: ControlBlock | None = None
+        self._export: IpcExport | None = None
+        self._packed: list[torch.cuda.Event] = []
+        self._freed: list[list[torch.cuda.Event]] = []
+
+    def export(self, consumer_names: Sequence[str]) -> IpcExport:
+        """Allocate and export the slots and the control block, once per session."""
+        if self._export is not None:
+            raise WeightSyncError(f"{self.name}: IPC slots already exported for this session")
+        nbuf, size = self.manifest.num_buffers, self.manifest.buffer_bytes
+        self._slots = make_region(nbuf * size, self.device, tag="slots")
+        self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
+        self._control[_PRODUCER_PID] = os.getpid()
+        packed: tuple[bytes, ...] = ()
+        freed: tuple[tuple[bytes, ...], ...] = ()
+        if self.streams.is_cuda:
+            with torch.cuda.device(self.device):
+                self._packed = [torch.cuda.Event(interprocess=True) for _ in range(nbuf)]
+                self._freed = [[torch.cuda.Event(interprocess=True) for _ in range(nbuf)] for _ in consumer_names]
+                packed = tuple(e.ipc_handle() for e in self._packed)
+                freed = tuple(tuple(e.ipc_handle() for e in row) for row in self._freed)
+        self._export = IpcExport(
+            session=uuid.uuid4().hex[:16],
+            slots=self._slots.handle(),
+            control=self._control.handle(),
+            num_slots=nbuf,
+            slot_bytes=size,
+            consumer_names=tuple(consumer_names),
+            packed_events=packed,
+            freed_events=freed,
+        )
+        return self._export
+
+    def seal(self) -> None:
+        """Call once every consumer attached: unlinks shared-memory names (nothing can leak)."""
+        if self._slots is not None:
+            self._slots.unlink()
+        if self._control is not None:
+            self._control.unlink()
+
+    def slot_buffer(self, slot: int) -> torch.Tensor:
+        if self._slots is None or self._export is None:
+            raise WeightSyncError(f"{self.name}: export() must run before packing")
+        if not 0 <= slot < self.manifest.num_buffers:
+            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{self.manifest.num_buffers - 1})")
+        size = self.manifest.buffer_bytes
+        return self._slots.tensor[slot * size : (slot + 1) * size]
+
+    def _enqueue_pack(
+        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool, after: Sequence[int] = ()
+    ) -> int | None:
+        """Queue chunk ``chunk_index``'s copies into ``slot`` on the slot's stream.
+
+        The stream first waits for the caller's stream (parameters it is still writing) and,
+        on a GPU, for the ``after`` consumers' last unpack of this slot. Returns the checksum
+        when ``verify`` (which waits for the copies on the host).
+        """
+        if not 0 <= chunk_index < len(self.manifest.chunks):
+            raise WeightSyncError(
+                f"{self.name}: chunk {chunk_index} out of range (plan has {len(self.manifest.chunks)})"
+            )
+        buffer = self.slot_buffer(slot)
+        chunk = self.manifest.chunks[chunk_index]
+        caller = self.streams.caller_stream()
+        with self.streams.use(slot), torch.no_grad():
+            self.streams.wait_for(slot, caller)
+            stream = torch.cuda.current_stream(self.device) if self.streams.is_cuda else None
+            if stream is not None:
+                for consumer in after:
+                    stream.wait_event(self._freed[consumer][slot])
+            pack_chunk(chunk, self.manifest.specs, sources, buffer)
+            checksum = byte_checksum(buffer, chunk.nbytes) if verify else None
+            if stream is not None and self._packed:
+                self._packed[slot].record(stream)
+        return checksum
+
+    def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
+        """Pack chunk ``chunk_index`` into ``slot``; its bytes are complete when this returns
+        (the per-chunk API: the caller hands the handle to each consumer itself)."""
+        assert self._export is not None
+        checksum = self._enqueue_pack(chunk_index, slot, sources, verify)
+        deadline = self.deadlines.leader(time.monotonic())
+        self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out", own=True)
+        nbytes = self.manifest.chunks[chunk_index].nbytes
+        return ChunkHandle(
+            session=self._export.session, slot=slot, chunk_index=chunk_index, nbytes=nbytes, checksum=checksum
+        )
+
+    def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
+        """Pack every chunk, handing slots over on the control block.
+
+        Returns after every consumer took every chunk and this side's copies finished.
+        """
+        control, export = self._ctl()
+        consumers = range(export.num_consumers)
+        nbuf = self.manifest.num_buffers
+        base = call.seq * len(self.manifest.chunks)
+        checksums: list[int] = []
+        if control[_PUBLISHED] != base:
+            raise WeightSyncError(
+                f"{self.name}: IPC session out of step (published {control[_PUBLISHED]}, expected {base}); "
+                "run setup() again"
+            )
+        for chunk in self.manifest.chunks:
+            g = base + chunk.index
+            slot = g % nbuf
+            self._await_acks(g - nbuf + 1, deadline, g + 1, f"release slot {slot} before chunk {chunk.index}")
+            after = consumers if g >= nbuf else ()
+            checksum = self._enqueue_pack(chunk.index, slot, sources.tensors, call.verify, after=after)
+            if checksum is not None:
+                checksums.append(checksum)
+                control[_checksum_word(export.num_consumers, slot)] = _as_word(checksum)
+            control[_PUBLISHED] = g + 1
+        self._await_acks(base + len(self.manifest.chunks), deadline, 0, "finish the last chunk")
+        self.streams.drain(deadline, f"{self.name}: packing timed out", own=True)
+        return checksums, ()
+
+    def _ctl(self) -> tuple[ControlBlock, IpcExport]:
+        if self._control is None or self._export is None:
+            raise WeightSyncError(f"{self.name}: no IPC export is open; run setup()")
+        return self._control, self._export
+
+    def _await_acks(self, need: int, deadline: float, waiting: int, what: str) -> None:
+        control, export = self._ctl()
+
+        def late() -> list[str]:
+            return [n for c, n in enumerate(export.consumer_names) if control[_ack_word(c)] < need]
+
+        def done() -> bool:
+            return all(control[_ack_word(c)] >= need for c in range(export.num_consumers))
+
+        if need <= 0 or done():
+            return
+
+        def lagging_pid() -> int:
+            names = late()
+            return control[_pid_word(export.consumer_names.index(names[0]))] if names else 0
+
+        control[_WAITING] = waiting
+        control.wait(
+            done,
+            deadline,
+            self.name,
+            lambda: f"{', '.join(late()) or 'workers'} to {what}",
+            [self.name, *export.consumer_names],
+            peer_pid=lagging_pid,
+            late=late,
+        )
+        control[_WAITING] = 0
+
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(TRAINER)
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        if self._slots is not None:
+            self._slots.close()
+        if self._control is not None:
+            self._control.close()
+        self._slots = self._control = None
+        self._export = None
+        self._packed, self._freed = [], []
+
+
+class IpcReceiver(ReceiveHalf):
+    """A consumer: maps the producer's export once and copies chunks out of it."""
+
+    kind = "ipc"
+    knows_sender_finished = True
+
+    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "worker") -> None:
+        self.manifest = manifest
+        self.device = device
+        self.deadlines = Deadlines(timeout_s)
+        self.name = name
+        self.importer = RegionImporter(name)
+        self._export: IpcExport | None = None
+        self._index = -1
+        self._slots: torch.Tensor | None = None
+        self._control: ControlBlock | None = None
+        self._packed: list[torch.cuda.Event] = []
+        self._freed: list[torch.cuda.Event] = []
+
+    def attach(self, export: IpcExport, consumer_index: int) -> None:
+        if not 0 <= consumer_index < export.num_consumers:
+            raise WeightSyncError(
+                f"{self.name}: consumer index {consumer_index} out of range for an export "
+                f"made for {export.num_consumers} consumer(s)"
+            )
+        if export.slot_bytes != self.manifest.buffer_bytes or export.num_slots != self.manifest.num_buffers:
+            raise WeightSyncError(
+                f"{self.name}: IPC export has {export.num_slots} slot(s) of {export.slot_bytes} "
+                f"bytes, the manifest says {self.manifest.num_buffers} of {self.manifest.buffer_bytes}"
+            )
+        self._slots = self.importer.map(export.slots)
+        control = ControlBlock.attach(self.importer.map(export.control), self.name, export.control.path)
+        if self._slots.device.type == "cuda" and export.packed_events:
+            self._packed = [torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.packed_events]
+            self._freed = [
+                torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.freed_events[consumer_index]
+            ]
+        control[_pid_word(consumer_index)] = os.getpid()
+        self._control = control
+        self._export = export
+        self._index = consumer_index
+
+    def progress(self) -> tuple[int, int]:
+        """(chunks published, chunk the producer waits to write or 0): for instrumentation."""
+        control, _ = self._ctl()
+        return control[_PUBLISHED], control[_WAITING]
+
+    def _ctl(self) -> tuple[ControlBlock, IpcExport]:
+        if self._control is None or self._export is None:
+            raise WeightSyncError(f"{self.name}: no IPC export attached; run setup()")
+        return self._control, self._export
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        assert self._slots is not None
+        size = self.manifest.buffer_bytes
+        return self._slots[slot * size : (slot + 1) * size]
+
+    def consume(
+        self,
+        handle: ChunkHandle,
+        unpacker: ChunkUnpacker,
+        deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
+        verify: bool = False,
+    ) -> int | None:
+        """Copy chunk ``handle`` out of its slot into the sink (the per-chunk API); synchronized
+        on return. Refuses, before reading a byte, a handle from another session, a slot or
+        chunk index out of range, or a size that disagrees with the plan."""
+        _, export = self._ctl()
+        if handle.session != export.session:
+            raise WeightSyncError(
+                f"{self.name}: chunk handle belongs to session {handle.session}, attached to "
+                f"{export.session}: a handle from a previous session; nothing was read"
+            )
+        if not 0 <= handle.slot < export.num_slots:
+            raise WeightSyncError(f"{self.name}: slot {handle.slot} out of range (0..{export.num_slots - 1})")
+        chunks = self.manifest.chunks
+        if not 0 <= handle.chunk_index < len(chunks):
+            raise WeightSyncError(
+                f"{self.name}: chunk index {handle.chunk_index} out of range (plan has {len(chunks)} chunks)"
+            )
+        chunk = chunks[handle.chunk_index]
+        if handle.nbytes != chunk.nbytes:
+            raise WeightSyncError(
+                f"{self.name}: chunk {handle.chunk_index} handle says {handle.nbytes} bytes, "
+                f"the plan says {chunk.nbytes}"
+            )
+        checksum = self._read(chunk.index, handle.slot, unpacker, deliver, verify, handle.checksum)
+        self._synchronize(f"copying chunk {chunk.index} out")
+        return checksum
+
+    def _read(
+        self,
+        chunk_index: int,
+        slot: int,
+        unpacker: ChunkUnpacker,
+        deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
+        verify: bool,
+        expected: int | None,
+    ) -> int | None:
+        """Queue chunk ``chunk_index``'s copies out of ``slot`` on this process's stream
+        (after the producer's packing event, on a GPU), then record this consumer's event."""
+        chunk = self.manifest.chunks[chunk_index]
+        buffer = self._slot(slot)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None and self._packed:
+            stream.wait_event(self._packed[slot])
+        handed = unpacker.unpack(chunk, buffer)
+        if handed:
+            deliver(handed)
+        checksum = None
+        if verify:
+            # Over the bytes just unpacked, so the check covers what the worker now holds.
+            checksum = byte_checksum(buffer, chunk.nbytes)
+            if expected is not None and checksum != expected:
+                raise ChecksumMismatch(
+                    f"{self.name}: chunk {chunk_index} checksum {checksum:#x} != trainer's "
+                    f"{expected:#x}: bytes were corrupted in transit"
+                )
+        if stream is not None and self._freed:
+            self._freed[slot].record(stream)
+        return checksum
+
+    def _synchronize(self, what: str) -> None:
+        if self.device.type == "cuda":
+            wait_for_stream(
+                torch.cuda.current_stream(self.device),
+                self.deadlines.follower(time.monotonic()),
+                f"{self.name}: {what} timed out",
+            )
+
+    def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
+        """Take every chunk as the producer publishes it; returns once every byte landed."""
+        control, export = self._ctl()
+        nbuf = self.manifest.num_buffers
+        base = call.seq * len(self.manifest.chunks)
+        deadline = self.deadlines.follower(time.monotonic())
+        names = ["trainer", *export.consumer_names]
+        csum_at = _checksum_word(export.num_consumers, 0)
+        me = _ack_word(self._index)
+        if control[me] != base:
+            raise WeightSyncError(
+                f"{self.name}: IPC session out of step (acknowledged {control[me]}, expected {base}); run setup() again"
+            )
+        unpacker = unpacker_for(self.manifest, sink)
+        checksums: list[int] = []
+        for chunk in self.manifest.chunks:
+            g = base + chunk.index
+            control.wait(
+                lambda g=g: control[_PUBLISHED] > g,  # type: ignore[misc]
+                deadline,
+                self.name,
+                lambda k=chunk.index: f"the trainer to publish chunk {k}",  # type: ignore[misc]
+                names,
+                peer_pid=lambda: control[_PRODUCER_PID],
+                late=lambda: ["trainer"],
+            )
+            if chunk.index == 0:
+                begin()
+            expected = _from_word(control[csum_at + g % nbuf]) if call.verify else None
+            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, call.verify, expected)
+            if got is not None:
+                checksums.append(got)
+            control[me] = g + 1
+        unpacker.finish()
+        self._synchronize("copying the last chunks out")
+        return checksums, ()
+
+    def abort(self) -> None:
+        if self._control is not None:
+            self._control.abort(worker_code(self._index))
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.abort()
+        self._slots = None
+        self._control = None
+        self._export = None
+        self._packed, self._freed = [], []
+        self.importer.release_all()

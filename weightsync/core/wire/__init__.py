@@ -1,0 +1,117 @@
+"""The wire contract: every object that crosses a process boundary, and every error.
+
+Ray-free and transport-free; everything else in weightsync builds on it.
+
+* :mod:`~weightsync.core.wire.errors`: every error class, with ``consequence``/``blames`` as data.
+* :mod:`~weightsync.core.wire.dtypes`: the dtype allow-list.
+* :mod:`~weightsync.core.wire.settings`: :class:`SyncSettings`, validated.
+* :mod:`~weightsync.core.wire.manifest`: TensorSpec, the chunk plan, the Manifest.
+* :mod:`~weightsync.core.wire.messages`: endpoint info, group spec, export handles, per-sync calls and results.
+* :mod:`~weightsync.core.wire.outcome`: :class:`Outcome` per party and call, and blame.
+* :mod:`~weightsync.core.wire.report`: :class:`SyncReport`.
+"""
+
+from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
+from weightsync.core.wire.errors import (
+    ChecksumMismatch,
+    DeviceMismatch,
+    ExportNotFound,
+    ManifestError,
+    ModelChangedError,
+    PeerAborted,
+    SettingsError,
+    SetupError,
+    StreamTimeout,
+    SyncError,
+    TransferError,
+    TransferTimeout,
+    UnsupportedDtypeError,
+    VerificationError,
+    VersionError,
+    WeightSyncError,
+)
+from weightsync.core.wire.manifest import (
+    PROTOCOL_VERSION,
+    Chunk,
+    ChunkPiece,
+    Manifest,
+    TensorSpec,
+    align_up,
+    plan_broadcast,
+    plan_chunks,
+)
+from weightsync.core.wire.messages import (
+    TRANSPORTS,
+    ChunkHandle,
+    CudaIpcHandle,
+    DirectExport,
+    EndpointInfo,
+    GroupSpec,
+    IpcExport,
+    ReceiveResult,
+    RegionHandle,
+    SendResult,
+    ShmHandle,
+    SyncCall,
+)
+from weightsync.core.wire.outcome import Outcome, Status, assign_blame
+from weightsync.core.wire.report import SyncReport, WorkerReport
+from weightsync.core.wire.settings import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+    SyncSettings,
+)
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "DEFAULT_ALIGNMENT",
+    "DEFAULT_BUFFER_BYTES",
+    "DEFAULT_NUM_BUFFERS",
+    "DEFAULT_TIMEOUT_S",
+    "PROTOCOL_VERSION",
+    "TRANSPORTS",
+    "ChecksumMismatch",
+    "Chunk",
+    "ChunkHandle",
+    "ChunkPiece",
+    "CudaIpcHandle",
+    "DeviceMismatch",
+    "DirectExport",
+    "EndpointInfo",
+    "ExportNotFound",
+    "GroupSpec",
+    "IpcExport",
+    "Manifest",
+    "ManifestError",
+    "ModelChangedError",
+    "Outcome",
+    "PeerAborted",
+    "ReceiveResult",
+    "RegionHandle",
+    "SendResult",
+    "SettingsError",
+    "SetupError",
+    "ShmHandle",
+    "StreamTimeout",
+    "Status",
+    "SyncCall",
+    "SyncError",
+    "SyncReport",
+    "SyncSettings",
+    "TensorSpec",
+    "TransferError",
+    "TransferTimeout",
+    "UnsupportedDtypeError",
+    "VerificationError",
+    "VersionError",
+    "WeightSyncError",
+    "WorkerReport",
+    "align_up",
+    "assign_blame",
+    "dtype_from_name",
+    "dtype_name",
+    "plan_broadcast",
+    "plan_chunks",
+]

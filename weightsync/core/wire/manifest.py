@@ -1,0 +1,345 @@
+"""The wire contract: what both sides of a weight sync agree on before a byte moves.
+
+A :class:`Manifest` is built once, on the trainer, and sent to every worker in the
+handshake. It fixes the tensor order, the wire dtypes, the buffer settings and the chunk
+plan (:func:`plan_chunks`, a pure function of the specs and the settings), so that nothing
+but raw bytes travels at sync time and a worker configured differently is refused at setup
+instead of hanging a collective later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
+from weightsync.core.wire.errors import ManifestError, SettingsError
+from weightsync.core.wire.settings import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_INPLACE_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    check_buffer_settings,
+)
+
+#: 3: the Manifest carries the in-place threshold and the broadcast plan.
+PROTOCOL_VERSION = 3
+
+
+def align_up(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as it travels: its name, shape and wire dtype (by allow-listed name)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ManifestError(f"tensor name must be a non-empty string, got {self.name!r}")
+        shape = tuple(self.shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ManifestError(f"tensor {self.name!r}: shape {self.shape!r} must be non-negative integers")
+        object.__setattr__(self, "shape", shape)
+        dtype_from_name(self.dtype)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
+        """The spec of ``tensor`` as sent under ``name``, optionally cast to ``dtype``."""
+        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ALLOWED_DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    def mismatch(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` cannot receive this spec's bytes without a cast or a broadcast, or None."""
+        if tuple(tensor.shape) != self.shape:
+            return f"{self.name}: shape {list(tensor.shape)}, the manifest says {list(self.shape)}"
+        if tensor.dtype != self.torch_dtype:
+            return f"{self.name}: dtype {tensor.dtype}, the manifest says {self.dtype}"
+        return None
+
+
+@dataclass(frozen=True)
+class ChunkPiece:
+    """A contiguous byte range of one tensor placed at ``buffer_offset`` in a chunk.
+
+    ``tensor_offset`` is the byte offset inside the tensor's own contiguous bytes; a piece
+    with ``tensor_offset == 0`` and ``nbytes`` equal to the tensor's size is the whole
+    tensor, which is the common case. Tensors larger than the buffer span several chunks.
+    """
+
+    spec_index: int
+    tensor_offset: int
+    buffer_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The contents of one buffer fill: pieces in order and the bytes actually used.
+
+    An ``inplace`` chunk (broadcast plans only) is one whole tensor sent by its own
+    collective, from the trainer's tensor into the worker's: one piece, offset 0.
+    """
+
+    index: int
+    pieces: tuple[ChunkPiece, ...]
+    nbytes: int
+    inplace: bool = False
+
+
+def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
+    """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
+
+    Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
+    is left of the current buffer, but fits in an empty one, starts a new chunk rather than
+    being split; only a tensor larger than the whole buffer is split, filling whole buffers
+    in turn. Zero-byte tensors take a zero-length piece so that every tensor is delivered.
+    """
+    chunks: list[Chunk] = []
+    pieces: list[ChunkPiece] = []
+    cursor = 0
+
+    def flush() -> None:
+        nonlocal pieces, cursor
+        used = max((p.buffer_offset + p.nbytes for p in pieces), default=0)
+        chunks.append(Chunk(index=len(chunks), pieces=tuple(pieces), nbytes=used))
+        pieces, cursor = [], 0
+
+    for index, spec in enumerate(specs):
+        size = spec.nbytes
+        if size == 0:
+            pieces.append(ChunkPiece(index, 0, min(align_up(cursor, alignment), buffer_bytes), 0))
+            continue
+        done = 0
+        while done < size:
+            start = align_up(cursor, alignment)
+            space = buffer_bytes - start
+            left = size - done
+            if pieces and (space <= 0 or (left > space and left <= buffer_bytes)):
+                flush()
+                continue
+            take = min(space, left)
+            pieces.append(ChunkPiece(index, done, start, take))
+            cursor = start + take
+            done += take
+    if pieces:
+        flush()
+    return tuple(chunks)
+
+
+def plan_broadcast(
+    specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int, inplace_bytes: int
+) -> tuple[Chunk, ...]:
+    """The broadcast plan: every tensor of at least ``inplace_bytes`` (0: none) is an
+    in-place chunk of its own; the runs of smaller tensors between them are packed as
+    :func:`plan_chunks` packs them. Chunks follow spec order, so the trainer reads its
+    tensors in manifest order (a sharded source gathers bucket by bucket in that order).
+    """
+    if inplace_bytes <= 0:
+        return plan_chunks(specs, buffer_bytes, alignment)
+    plan: list[Chunk] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        for chunk in plan_chunks([specs[i] for i in run], buffer_bytes, alignment):
+            pieces = tuple(replace(p, spec_index=run[p.spec_index]) for p in chunk.pieces)
+            plan.append(Chunk(index=len(plan), pieces=pieces, nbytes=chunk.nbytes))
+        run.clear()
+
+    for index, spec in enumerate(specs):
+        if spec.nbytes and spec.nbytes >= inplace_bytes:
+            flush()
+            piece = ChunkPiece(index, 0, 0, spec.nbytes)
+            plan.append(Chunk(index=len(plan), pieces=(piece,), nbytes=spec.nbytes, inplace=True))
+        else:
+            run.append(index)
+    flush()
+    return tuple(plan)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything both sides derive a transfer from, fixed by the trainer at setup.
+
+    Build it with :meth:`build` (which computes the chunk plans); a receiver checks it with
+    :meth:`validate` and :meth:`check_against` before joining any collective.
+
+    Two plans: ``chunks`` packs every tensor (ipc slots; direct uses :meth:`region_layout`);
+    ``broadcast_chunks`` sends tensors of at least ``inplace_bytes`` in place and packs the
+    rest (:func:`plan_broadcast`).
+    """
+
+    specs: tuple[TensorSpec, ...]
+    buffer_bytes: int
+    num_buffers: int
+    alignment: int
+    chunks: tuple[Chunk, ...]
+    protocol_version: int = PROTOCOL_VERSION
+    total_bytes: int = field(default=0)
+    inplace_bytes: int = 0
+    broadcast_chunks: tuple[Chunk, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        specs: Iterable[TensorSpec],
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        alignment: int = DEFAULT_ALIGNMENT,
+        inplace_bytes: int = DEFAULT_INPLACE_BYTES,
+    ) -> Manifest:
+        spec_tuple = tuple(specs)
+        check_buffer_settings(buffer_bytes, num_buffers, alignment, inplace_bytes)
+        check_specs(spec_tuple)
+        return cls(
+            specs=spec_tuple,
+            buffer_bytes=buffer_bytes,
+            num_buffers=num_buffers,
+            alignment=alignment,
+            chunks=plan_chunks(spec_tuple, buffer_bytes, alignment),
+            total_bytes=sum(s.nbytes for s in spec_tuple),
+            inplace_bytes=inplace_bytes,
+            broadcast_chunks=plan_broadcast(spec_tuple, buffer_bytes, alignment, inplace_bytes),
+        )
+
+    @property
+    def inplace_count(self) -> int:
+        """How many tensors the broadcast plan sends in place."""
+        return sum(1 for c in self.broadcast_chunks if c.inplace)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+    def region_layout(self) -> tuple[tuple[int, ...], int]:
+        """Aligned offsets of every spec in one region holding them all, and its size
+        (the direct transport's layout of a worker's exported tensors)."""
+        offsets = []
+        cursor = 0
+        for spec in self.specs:
+            cursor = align_up(cursor, self.alignment)
+            offsets.append(cursor)
+            cursor += spec.nbytes
+        return tuple(offsets), cursor
+
+    def validate(self) -> None:
+        """Re-derive the chunk plan from the specs and refuse a Manifest that disagrees.
+
+        A receiver calls this on what it was sent: a plan computed by another version of
+        the packing code, a different protocol version, or tampered numbers are refused
+        here, by name, rather than producing misplaced bytes.
+        """
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise ManifestError(
+                f"protocol version mismatch: the trainer speaks {self.protocol_version}, this "
+                f"worker speaks {PROTOCOL_VERSION}; install the same weightsync version on both"
+            )
+        try:
+            rebuilt = Manifest.build(
+                self.specs, self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes
+            )
+        except SettingsError as exc:
+            raise ManifestError(f"the trainer's manifest carries unusable buffer settings: {exc}") from exc
+        if rebuilt.chunks != self.chunks or rebuilt.total_bytes != self.total_bytes:
+            raise ManifestError(
+                "the chunk plan sent by the trainer differs from the one this worker derives "
+                "from the same specs; install the same weightsync version on both sides"
+            )
+        if rebuilt.broadcast_chunks != self.broadcast_chunks:
+            raise ManifestError(
+                f"the broadcast plan sent by the trainer (inplace_bytes={self.inplace_bytes}: "
+                f"{self.inplace_count} tensor(s) in place, {len(self.broadcast_chunks)} chunk(s)) differs from "
+                f"the one this worker derives with that threshold ({rebuilt.inplace_count} in place, "
+                f"{len(rebuilt.broadcast_chunks)} chunk(s)); install the same weightsync version on both sides"
+            )
+
+    def check_against(self, local: Sequence[TensorSpec], who: str = "worker") -> None:
+        """Refuse this Manifest unless ``local`` holds exactly the same tensors.
+
+        Every mismatch is listed by tensor name in one error: missing on ``who``,
+        unexpected on ``who``, shape and dtype differences. Order does not matter: the
+        receiver places tensors by name.
+        """
+        problems = spec_mismatches(self.specs, local, who)
+        if problems:
+            raise ManifestError(
+                f"{who} does not match the trainer's manifest ({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+            )
+
+    def check_buffer_expectations(
+        self,
+        who: str,
+        buffer_bytes: int | None = None,
+        num_buffers: int | None = None,
+        inplace_bytes: int | None = None,
+    ) -> None:
+        """Refuse the trainer's buffer settings where ``who`` was pinned to other values
+        (``buffer_bytes`` is compared with the size the trainer resolved, "auto" or not)."""
+        problems = []
+        for label, mine, theirs in (
+            ("buffer_bytes", buffer_bytes, self.buffer_bytes),
+            ("num_buffers", num_buffers, self.num_buffers),
+            ("inplace_bytes", inplace_bytes, self.inplace_bytes),
+        ):
+            if mine is not None and mine != theirs:
+                problems.append(f"{label}: trainer uses {theirs}, {who} was configured with {mine}")
+        if problems:
+            raise ManifestError(
+                f"{who} was configured with buffer settings that differ from the trainer's "
+                f"(the trainer's settings are the ones used; drop the override on {who} or "
+                "make them equal): " + "; ".join(problems)
+            )
+
+
+def check_specs(specs: Sequence[TensorSpec]) -> None:
+    if not specs:
+        raise ManifestError(
+            "the model has no parameters or buffers to sync; pass the model whose weights "
+            "should move (an empty manifest would report success with no bytes sent)"
+        )
+    seen: set[str] = set()
+    duplicates = []
+    for spec in specs:
+        if not isinstance(spec, TensorSpec):
+            raise ManifestError(f"manifest entries must be TensorSpec, got {type(spec).__name__}")
+        if spec.name in seen:
+            duplicates.append(spec.name)
+        seen.add(spec.name)
+    if duplicates:
+        raise ManifestError(f"duplicate tensor names in manifest: {', '.join(duplicates)}")
+
+
+def spec_mismatches(expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str = "worker") -> list[str]:
+    """Every difference between two spec lists, one readable line per tensor."""
+    theirs = {s.name: s for s in expected}
+    mine = {s.name: s for s in local}
+    problems = []
+    for name in theirs.keys() - mine.keys():
+        problems.append(f"{name}: sent by the trainer but missing on {who}")
+    for name in mine.keys() - theirs.keys():
+        problems.append(f"{name}: present on {who} but not sent by the trainer")
+    for name in theirs.keys() & mine.keys():
+        t, m = theirs[name], mine[name]
+        if t.shape != m.shape:
+            problems.append(f"{name}: shape {list(t.shape)} on the trainer, {list(m.shape)} on {who}")
+        if t.dtype != m.dtype:
+            problems.append(f"{name}: dtype {t.dtype} on the trainer, {m.dtype} on {who}")
+    return sorted(problems)

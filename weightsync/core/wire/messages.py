@@ -1,0 +1,296 @@
+"""Every message that crosses a process boundary besides the Manifest and the outcomes.
+
+Setup messages (where an endpoint lives, which group to join, what was exported) and the
+per-sync messages (what a party is asked to do, what it did). Each validates itself on
+construction, so a malformed message is refused where it arrives, by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.outcome import Outcome
+
+TRANSPORTS = ("broadcast", "ipc", "direct")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise WeightSyncError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointInfo:
+    """Where an endpoint lives; the coordinator picks transports from this."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    device: str
+    gpu_uuid: str | None
+    sink_allows_direct: bool
+    #: Memory this party could give to buffers (weightsync.core.wire.sizing.free_memory_bytes),
+    #: for ``buffer_bytes="auto"``; None when it could not tell.
+    free_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(
+            self.free_bytes is None or (_is_int(self.free_bytes) and self.free_bytes >= 0),
+            f"endpoint free_bytes must be None or a non-negative int, got {self.free_bytes!r}",
+        )
+        _require(_is_int(self.pid) and self.pid > 0, f"endpoint pid must be a positive int, got {self.pid!r}")
+        _require(self.device != "cuda" or bool(self.gpu_uuid), "a CUDA endpoint must report its GPU's UUID")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceLayout:
+    """How one trainer rank holds its model: ``sharded`` (DTensors, over a mesh of
+    ``mesh_size`` ranks, this one at ``mesh_rank``) or plain (every tensor whole: 0, 0).
+    The ranks of one trainer must all be sharded the same way, or all plain."""
+
+    sharded: bool
+    mesh_size: int = 0
+    mesh_rank: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.sharded, bool), f"sharded must be a bool, got {self.sharded!r}")
+        _require(_is_int(self.mesh_size) and _is_int(self.mesh_rank), "mesh size and rank must be ints")
+        if self.sharded:
+            _require(
+                0 <= self.mesh_rank < self.mesh_size, f"mesh rank {self.mesh_rank} out of range for {self.mesh_size}"
+            )
+        else:
+            _require(self.mesh_size == 0 and self.mesh_rank == 0, "a plain (unsharded) source has no mesh")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """A broadcast group to join: rendezvous address, this rank, and the timeout."""
+
+    name: str
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+    backend: str
+    nccl_id: bytes | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("gloo", "nccl"), f"broadcast backend must be gloo or nccl, got {self.backend!r}")
+        _require(_is_int(self.world_size) and self.world_size >= 2, f"world_size must be >= 2, got {self.world_size}")
+        _require(
+            _is_int(self.rank) and 0 <= self.rank < self.world_size,
+            f"rank {self.rank} out of range for a world of {self.world_size}",
+        )
+        _require(0 < self.store_port < 65536, f"store port {self.store_port} out of range")
+        _require(
+            self.backend != "nccl" or isinstance(self.nccl_id, bytes), "an NCCL group needs the unique id as bytes"
+        )
+        _require(
+            isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf"),
+            f"group timeout_s must be finite and positive, got {self.timeout_s!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmHandle:
+    """A shared-memory region as it crosses a process boundary."""
+
+    path: str
+    nbytes: int
+    hostname: str
+    session: str
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.nbytes) and self.nbytes >= 0, f"shared-memory handle size {self.nbytes!r} is not a size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaIpcHandle:
+    """A CUDA region as it crosses a process boundary: the GPU's UUID and torch's rebuild args."""
+
+    gpu_uuid: str
+    rebuild_args: tuple[Any, ...]
+    nbytes: int
+    session: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.gpu_uuid), "a CUDA IPC handle must name its GPU's UUID")
+        _require(_is_int(self.nbytes) and self.nbytes >= 0, f"CUDA IPC handle size {self.nbytes!r} is not a size")
+
+
+RegionHandle = ShmHandle | CudaIpcHandle
+
+
+@dataclass(frozen=True, kw_only=True)
+class IpcExport:
+    """What an IPC consumer needs to attach: the slot region, the control block, the layout."""
+
+    session: str
+    slots: RegionHandle
+    control: ShmHandle
+    num_slots: int
+    slot_bytes: int
+    consumer_names: tuple[str, ...]
+    #: On a GPU: per slot, the interprocess event the producer records after packing it;
+    #: per consumer and slot, the event that consumer records after unpacking it.
+    packed_events: tuple[bytes, ...] = ()
+    freed_events: tuple[tuple[bytes, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.num_slots) and _is_int(self.slot_bytes) and self.num_slots >= 1 and self.slot_bytes >= 1,
+            "an IPC export needs at least one non-empty slot",
+        )
+        _require(
+            not self.packed_events
+            or (
+                len(self.packed_events) == self.num_slots
+                and len(self.freed_events) == len(self.consumer_names)
+                and all(len(row) == self.num_slots for row in self.freed_events)
+            ),
+            "an IPC export's events must be one per slot, and one row per consumer",
+        )
+        _require(bool(self.consumer_names), "an IPC export needs at least one consumer")
+        _require(
+            self.slots.nbytes == self.num_slots * self.slot_bytes,
+            f"IPC export region holds {self.slots.nbytes} bytes, {self.num_slots} slots of {self.slot_bytes} need "
+            f"{self.num_slots * self.slot_bytes}",
+        )
+
+    @property
+    def num_consumers(self) -> int:
+        return len(self.consumer_names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkHandle:
+    """Chunk ``chunk_index`` sits in ``slot`` of session ``session``'s region (the per-chunk API)."""
+
+    session: str
+    slot: int
+    chunk_index: int
+    nbytes: int
+    checksum: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            all(_is_int(v) for v in (self.slot, self.chunk_index, self.nbytes)) and self.nbytes >= 0,
+            f"a chunk handle's slot, chunk index and size must be ints, got {self.slot!r}, {self.chunk_index!r}, "
+            f"{self.nbytes!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectExport:
+    """A worker's exported destination region, where each tensor lives in it, and the
+    control block the two sides meet on."""
+
+    session: str
+    worker: str
+    region: RegionHandle
+    offsets: tuple[int, ...]
+    control: ShmHandle
+
+    def __post_init__(self) -> None:
+        _require(all(_is_int(o) and o >= 0 for o in self.offsets), "direct export offsets must be non-negative ints")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCall:
+    """What every party of one sync is told: the same numbers on every side.
+
+    ``seq`` counts the syncs completed in this transport session (colocated parties derive
+    their control-block counters from it); ``version`` is what workers commit.
+    """
+
+    seq: int
+    version: int
+    verify: bool = False
+    force: bool = False
+    #: Direct workers the trainer writes this time (all of them, or those re-exported).
+    direct: tuple[str, ...] = ()
+    #: Transports the trainer drives this time.
+    kinds: tuple[str, ...] = TRANSPORTS
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
+        _require(set(self.kinds) <= set(TRANSPORTS), f"unknown transports {sorted(set(self.kinds) - set(TRANSPORTS))}")
+        _require(
+            isinstance(self.verify, bool) and isinstance(self.force, bool), "verify and force must be True or False"
+        )
+        _require(not self.direct or "direct" in self.kinds, "a sync that writes direct workers must include 'direct'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendResult:
+    """The trainer's answer to one sync: checksums per transport and the stale direct workers."""
+
+    checksums: dict[str, list[int]] = field(default_factory=dict)
+    stale: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveResult:
+    """A worker's answer to one sync call."""
+
+    worker: str
+    version: int | None
+    state: str
+    checksums: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    #: Direct transport: tensors whose storage moved since the export (nothing written).
+    stale: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushExport:
+    """A listening direct worker's mailbox and doorbell (push mode: see transport/mailbox.py)."""
+
+    worker: str
+    mailbox: ShmHandle
+    doorbell: str
+    pid: int
+
+    def __post_init__(self) -> None:
+        _require(bool(self.worker) and bool(self.doorbell), "a push export names its worker and its doorbell")
+        _require(_is_int(self.pid) and self.pid > 0, f"a push export's pid must be a positive int, got {self.pid!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushAnswer:
+    """A listening worker's answer to one pushed sync: its outcome and what it holds after."""
+
+    outcome: Outcome
+    version: int | None
+    state: str
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.outcome, Outcome), f"a push answer carries an Outcome, got {self.outcome!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushResult:
+    """The trainer's answer to a pushed sync: its own send and each listening worker's answer."""
+
+    version: int
+    sent: Outcome
+    workers: dict[str, PushAnswer]
+    seconds: float = 0.0
+    #: Nothing ran: an earlier push failed, so the transports must be set up again first.
+    setup_needed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.sent.ok and all(a.outcome.ok for a in self.workers.values())

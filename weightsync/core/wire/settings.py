@@ -1,0 +1,117 @@
+"""The settings of one WeightSync, validated once, on the coordinator, before any actor is asked.
+
+The trainer's copy of these numbers is the one that counts: they travel to every worker
+inside the Manifest, so a worker configured differently is refused in the handshake instead
+of hanging a collective later (TRL #7104 hung NCCL that way).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from weightsync.core.wire.errors import SettingsError
+
+DEFAULT_ALIGNMENT = 256
+DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
+#: Tensors of at least this many bytes on the wire are broadcast in place (their own
+#: collective, straight from the trainer's storage into the worker's), not packed. Chosen
+#: by measurement: see docs/benchmarks.md ("In-place threshold") and scripts/inplace_threshold.py.
+DEFAULT_INPLACE_BYTES = 4 * 1024 * 1024
+DEFAULT_NUM_BUFFERS = 2
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+BufferBytes = int | Literal["auto"]
+
+
+def check_buffer_settings(
+    buffer_bytes: object, num_buffers: object, alignment: object, inplace_bytes: object = 0, auto: bool = False
+) -> None:
+    """Refuse buffer settings that cannot be laid out; each message names the setting.
+
+    ``auto``: ``buffer_bytes="auto"`` is allowed (settings, before the trainer resolves it);
+    a Manifest always carries a number.
+    """
+    if not _is_int(alignment) or alignment < 16 or alignment & (alignment - 1):  # type: ignore[operator]
+        raise SettingsError(
+            f"alignment must be a power of two of at least 16 bytes (the widest dtype), got {alignment!r}"
+        )
+    if not (auto and buffer_bytes == "auto") and (
+        not _is_int(buffer_bytes) or buffer_bytes < alignment or buffer_bytes % alignment  # type: ignore[operator]
+    ):
+        expected = '"auto" or a positive multiple' if auto else "a positive multiple"
+        raise SettingsError(
+            f"buffer_bytes must be {expected} of the alignment ({alignment} bytes), got {buffer_bytes!r}; "
+            f"round it to a multiple of {alignment}" + (' or pass "auto"' if auto else "")
+        )
+    if not _is_int(inplace_bytes) or inplace_bytes < 0:  # type: ignore[operator]
+        raise SettingsError(
+            f"inplace_bytes must be a non-negative integer (0 turns in-place broadcast off), got {inplace_bytes!r}"
+        )
+    if not _is_int(num_buffers) or num_buffers < 1:  # type: ignore[operator]
+        raise SettingsError(f"num_buffers must be a positive integer, got {num_buffers!r}")
+
+
+def check_timeout(timeout_s: object) -> float:
+    """A finite, positive number of seconds, or SettingsError naming ``timeout_s``."""
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
+        raise SettingsError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise SettingsError(f"timeout_s must be finite and positive, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSettings:
+    """How a WeightSync moves bytes. Every field is checked on construction.
+
+    Call order: ``SyncSettings(...)`` (or keywords to ``WeightSync``) -> the trainer builds
+    the Manifest from ``buffer_bytes``/``num_buffers``/``alignment`` -> workers check it.
+    """
+
+    buffer_bytes: BufferBytes = "auto"
+    """Bytes per packing buffer (ipc slot, broadcast buffer): ``"auto"`` (the trainer picks
+    it at setup from the model and every party's free memory, capped by the device's knee:
+    :mod:`weightsync.core.wire.sizing`), or a multiple of ``alignment``, which always wins."""
+
+    num_buffers: int = DEFAULT_NUM_BUFFERS
+    """Buffers in rotation: with two or more, packing chunk k+1 overlaps moving chunk k."""
+
+    alignment: int = DEFAULT_ALIGNMENT
+    """Byte alignment of every tensor in a buffer (a power of two >= 16), so any dtype view is legal."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Bound on every wait of a call; a dead or frozen peer is named within about this long."""
+
+    inplace_bytes: int = DEFAULT_INPLACE_BYTES
+    """Broadcast only: tensors of at least this many bytes on the wire get their own
+    collective, sent from the trainer's tensor and received into the worker's, with no pack
+    or unpack copy (a worker whose tensor is not a plain contiguous tensor of the wire dtype
+    receives into a reused scratch buffer of the largest such tensor instead). 0 packs
+    everything. Fixed in the Manifest, so both sides derive the same plan; ipc and direct
+    ignore it."""
+
+    verify: bool = False
+    """Check each sync's bytes on the worker before it commits (chunk checksums for ipc and
+    broadcast, per-tensor checksums for direct)."""
+
+    def __post_init__(self) -> None:
+        check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes, auto=True)
+        object.__setattr__(self, "timeout_s", check_timeout(self.timeout_s))
+        if not isinstance(self.verify, bool):
+            raise SettingsError(f"verify must be True or False, got {self.verify!r}")
+
+    def with_overrides(self, **overrides: Any) -> SyncSettings:
+        """A copy with the given fields replaced (None means keep); unknown names are refused."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self, **given) if given else self

@@ -1,0 +1,167 @@
+"""The worker's side of the coordinator's protocol, as a mixin for any inference actor.
+
+Mix :class:`WorkerMixin` into a Ray actor that holds ``self.model`` (or overrides
+``weightsync_model()``), or forward the protocol to the processes that hold the model
+(:func:`forward_worker_protocol`). Call order per session: ws_describe -> ws_accept ->
+the transport's steps (ws_join_broadcast, ws_attach_ipc, ws_export_direct/ws_seal_direct,
+ws_listen/ws_seal_listen) -> per sync ws_receive (and ws_commit for broadcast), ws_settle
+after a failure -> ws_teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightsync.core.receiver import WeightReceiver
+from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
+from weightsync.core.wire.manifest import Manifest
+from weightsync.core.wire.messages import (
+    GroupSpec,
+    IpcExport,
+    SyncCall,
+)
+from weightsync.core.wire.outcome import Outcome
+from weightsync.glue.protocol import answer, communicator, describe, resolve_device
+
+
+class WorkerMixin:
+    """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
+    ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way, and
+    optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers`` /
+    ``self.expect_inplace_bytes``."""
+
+    def weightsync_model(self) -> nn.Module:
+        return self.model  # type: ignore[attr-defined, no-any-return]
+
+    def weightsync_device(self) -> torch.device:
+        return resolve_device(getattr(self, "device", "cpu"))
+
+    def _wr(self) -> WeightReceiver:
+        receiver = getattr(self, "_ws_receiver", None)
+        if receiver is None:
+            sink: Sink | None = getattr(self, "weightsync_sink", None)
+            receiver = WeightReceiver(
+                sink if sink is not None else ModuleSink(self.weightsync_model()),
+                self.weightsync_device(),
+                "worker",
+                getattr(self, "expect_buffer_bytes", None),
+                getattr(self, "expect_num_buffers", None),
+                getattr(self, "expect_inplace_bytes", None),
+            )
+            self._ws_receiver = receiver
+        return receiver
+
+    def _me(self) -> str:
+        receiver = getattr(self, "_ws_receiver", None)
+        return receiver.name if receiver is not None else "worker"
+
+    def ws_describe(self) -> Outcome:
+        sink = getattr(self, "weightsync_sink", None)
+        return answer(self._me(), "describe", describe, self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+
+    def ws_accept(self, manifest: Manifest, name: str) -> Outcome:
+        def accept() -> None:
+            receiver = self._wr()
+            receiver.name = name
+            receiver.accept(manifest)
+
+        return answer(name, "accept", accept)
+
+    def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
+        def join() -> None:
+            self._wr().open_broadcast(communicator(spec, self.weightsync_device(), members), members, spec.timeout_s)
+
+        return answer(self._me(), "join", join)
+
+    def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> Outcome:
+        return answer(self._me(), "attach", self._wr().attach_ipc, export, index, timeout_s)
+
+    def ws_export_direct(self, timeout_s: float) -> Outcome:
+        return answer(self._me(), "export", self._wr().export_direct, timeout_s)
+
+    def ws_seal_direct(self) -> Outcome:
+        target = self._wr().direct
+        return answer(self._me(), "seal", target.seal if target is not None else lambda: None)
+
+    def ws_listen(self, timeout_s: float) -> Outcome:
+        """Push mode: start this direct worker's listener; the trainer attaches its mailbox."""
+        return answer(self._me(), "listen", self._wr().listen, timeout_s)
+
+    def ws_seal_listen(self) -> Outcome:
+        return answer(self._me(), "seal", self._wr().seal_listen)
+
+    @contextlib.contextmanager
+    def weightsync_reading(self) -> Iterator[None]:
+        """Hold while reading the weights in push mode: a sync never writes meanwhile."""
+        with self._wr().reading():
+            yield
+
+    def ws_receive(self, call: SyncCall) -> Outcome:
+        """This worker's side of one sync (every transport); commits unless it is a broadcast."""
+        return answer(self._me(), "receive", self._wr().receive, call)
+
+    def ws_commit(self, call: SyncCall, sent: Outcome, received: Outcome) -> Outcome:
+        """A broadcast worker takes the version once the trainer's side and its own receive are
+        known. Both arrive as Ray object refs, so Ray starts this as soon as both answered."""
+        return answer(self._me(), "commit", self._wr().commit, call, sent, received)
+
+    def ws_settle(self) -> Outcome:
+        return answer(self._me(), "settle", self._wr().settle)
+
+    def ws_checksums(self) -> Outcome:
+        return answer(self._me(), "checksums", self._wr().checksums)
+
+    def ws_status(self) -> tuple[int | None, str]:
+        return self._wr().status()
+
+    def ws_teardown(self, abort: bool = False) -> Outcome:
+        def teardown() -> None:
+            receiver = getattr(self, "_ws_receiver", None)
+            if receiver is not None:
+                receiver.close_transports(abort)
+
+        return answer(self._me(), "teardown", teardown)
+
+
+#: The methods the coordinator calls on a worker; :func:`forward_worker_protocol` adds them
+#: to an actor that hosts its model elsewhere (an inference engine's worker processes).
+WORKER_PROTOCOL: tuple[str, ...] = tuple(
+    name for name in vars(WorkerMixin) if name.startswith("ws_") and callable(getattr(WorkerMixin, name))
+)
+
+
+def forward_worker_protocol(cls: type) -> type:
+    """Class decorator: give ``cls`` every method of :data:`WORKER_PROTOCOL`, each calling
+    ``self.forward_weightsync(method_name, *args, **kwargs)``.
+
+    For an actor whose model lives in processes it drives, such as an inference engine
+    with its own workers (vLLM's ``collective_rpc``): those processes mix in
+    :class:`WorkerMixin`, and this actor forwards the coordinator's calls to them. Apply it
+    before ``ray.remote`` (Ray reads an actor's methods when the class is made remote)::
+
+        @ray.remote
+        @forward_worker_protocol
+        class Engine:
+            def forward_weightsync(self, method, *args, **kwargs):
+                return self.llm.collective_rpc(method, args=args, kwargs=kwargs)[0]
+    """
+    if not callable(getattr(cls, "forward_weightsync", None)):
+        raise TypeError(f"{cls.__name__} needs a forward_weightsync(method, *args, **kwargs) method")
+
+    def forwarder(method: str) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.forward_weightsync(method, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = method
+        call.__doc__ = f"Forwards {method} to the processes holding the model."
+        return call
+
+    for method in WORKER_PROTOCOL:
+        if method not in vars(cls):
+            setattr(cls, method, forwarder(method))
+    return cls

@@ -1,0 +1,95 @@
+"""``python -m weightsync bench``: sync speed next to baselines and the hardware limit.
+
+Everything is measured in one run, on one cluster, with the same actors:
+
+* weightsync transports through the real product path (``WeightSync.sync``: Ray calls,
+  hand-offs, commits included): ``ipc`` and ``direct`` (colocated), ``broadcast``
+  (gloo on CPU; NCCL needs a second GPU);
+* the raw limit: one copy of a single buffer of the model's size (``memcpy`` on CPU, a
+  device copy on GPU), and for broadcast one gloo broadcast of such a buffer;
+* naive per-tensor transfer: one broadcast per tensor (CPU), one CUDA IPC handle per
+  tensor (GPU);
+* the reference file's design: one IPC slot, strictly serialized, two Ray round trips per
+  chunk (pack on the trainer, then consume on the worker);
+* the Ray object store: ``ray.put`` of the state dict on the trainer, ``ray.get`` on the
+  worker, copied into its parameters;
+* a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
+  (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`).
+
+Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
+GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
+on each side during the case.
+
+Layout: :mod:`~weightsync.tools.bench.driver` measures (the cases, in order),
+:mod:`~weightsync.tools.bench.probes` runs inside the actors, :mod:`~weightsync.tools.bench.report`
+prints and writes the results. This module holds the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from weightsync.tools.bench.driver import Bench
+from weightsync.tools.cli_types import comma_list, positive_int, positive_int_list, positive_int_list_or_none
+from weightsync.tools.models import SIZES
+
+#: The case groups ``--transports`` selects.
+TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--sizes",
+        type=comma_list(list(SIZES)),
+        default=None,
+        help=f"comma-separated model sizes from {', '.join(SIZES)} (default: cpu 1mb,100mb,1gb; cuda 100mb,1gb,16gb)",
+    )
+    parser.add_argument(
+        "--transports",
+        type=comma_list(TRANSPORTS),
+        default=list(TRANSPORTS),
+        help="cases to run: ipc,direct,broadcast,naive,objectstore",
+    )
+    parser.add_argument(
+        "--buffer-mib",
+        type=positive_int_list,
+        default=None,
+        help="buffer sizes in MiB for the knob sweeps (the main cases use the library's defaults, buffer_bytes='auto'); "
+        "default 256,64,1024,2048, and on CPU no sweep unless given",
+    )
+    parser.add_argument(
+        "--workers", type=positive_int, default=2, help="workers (broadcast receivers); colocated cases use the first"
+    )
+    parser.add_argument(
+        "--sharded-ranks",
+        type=positive_int_list_or_none,
+        default=None,
+        help="rank counts of the sharded (FSDP2, gloo) trainer cases, e.g. 2,4; 'none' skips them (default: cpu 2)",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
+    parser.add_argument("--quick", action="store_true", help="skip the buffer-size / buffer-count sweep")
+    parser.add_argument(
+        "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--address")
+    parser.add_argument("--num-cpus", type=int, default=None)
+    parser.add_argument("--json", help="write every case here")
+    parser.add_argument("--plot", help="write a PNG of GB/s against buffer size here (needs matplotlib)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sizes is None:
+        args.sizes = ["100mb", "1gb", "16gb"] if args.device == "cuda" else ["1mb", "100mb", "1gb"]
+    if args.sharded_ranks is None:
+        args.sharded_ranks = [] if args.device == "cuda" else [2]
+    if args.buffer_mib is None:
+        args.buffer_mib = [256, 64, 1024, 2048]
+        # The main cases run at the library's defaults; on a CPU the knob sweep is opt-in
+        # (pass --buffer-mib) so that a plain ``bench`` stays quick.
+        args.quick = args.quick or args.device == "cpu"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return Bench(args).run()

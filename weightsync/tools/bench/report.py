@@ -1,0 +1,148 @@
+"""The bench's results: one :class:`Case` per measured row, its printed line, JSON and plot.
+
+Printing and file formats live here, apart from how cases are measured
+(:mod:`weightsync.tools.bench.driver`), so both can change without touching the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Case:
+    size: str
+    name: str
+    model_bytes: int
+    buffer_mib: int | None = None
+    num_buffers: int | None = None
+    times: list[float] = field(default_factory=list)
+    #: For weightsync cases: seconds inside the trainer's send call, per timed sync.
+    send_times: list[float] = field(default_factory=list)
+    limit_s: float | None = None
+    trainer_extra_mb: float | None = None
+    worker_extra_mb: float | None = None
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def gbps(self) -> float:
+        return self.model_bytes / self.median / 1e9
+
+    def row(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            median_s=self.median,
+            min_s=min(self.times),
+            max_s=max(self.times),
+            gbps=self.gbps,
+            send_median_s=statistics.median(self.send_times) if self.send_times else None,
+            fraction_of_raw_limit=(self.limit_s / self.median) if self.limit_s else None,
+        )
+        return out
+
+
+def show(c: Case) -> None:
+    knobs = f"{c.buffer_mib or '':>5} {c.num_buffers or '':>2}"
+    ratio = f"{c.limit_s / c.median:6.1%}" if c.limit_s else "     -"
+    extra = f"{c.trainer_extra_mb or 0:8.0f} {c.worker_extra_mb if c.worker_extra_mb is not None else 0:8.0f}"
+    send = f"{statistics.median(c.send_times) * 1e3:8.2f}" if c.send_times else f"{'-':>8}"
+    print(
+        f"{c.size:>6} {c.name:<34} {knobs} {c.median * 1e3:10.2f} {min(c.times) * 1e3:9.2f}-{max(c.times) * 1e3:<9.2f}"
+        f" {send} {c.gbps:8.2f} {ratio}  {extra}  {c.note}",
+        flush=True,
+    )
+
+
+def _find(cases: list[Case], size: str, prefix: str) -> Case | None:
+    return next((c for c in cases if c.size == size and c.name.startswith(prefix)), None)
+
+
+def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
+    """The issue-19 ratios of one size, each a limit's or baseline's time over the case's
+    time (above 100%: faster than it), from cases measured in this run."""
+    lines = []
+    copy = _find(cases, size, "raw limit: one copy")
+    pairs = [
+        (
+            "broadcast / raw one-buffer broadcast",
+            f"weightsync broadcast, {receivers} receiver",
+            "raw limit: one gloo",
+            1,
+        ),
+        ("broadcast / per-tensor broadcast", f"weightsync broadcast, {receivers} receiver", "naive: one gloo", 1),
+        ("broadcast / all packed", f"weightsync broadcast, {receivers} receiver", "weightsync broadcast (all", 1),
+        ("ipc (defaults) / two-copy limit", "weightsync ipc", "raw limit: one copy", 2),
+        ("direct (defaults) / one raw copy", "weightsync direct", "raw limit: one copy", 1),
+    ]
+    for label, case_name, base_name, factor in pairs:
+        case = _find(cases, size, case_name)
+        base = copy if base_name.startswith("raw limit: one copy") else _find(cases, size, base_name)
+        if case is None or base is None or case.name.endswith("(knobs)"):
+            continue
+        limit = base.median * factor
+        lines.append(
+            f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
+            f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
+        )
+    return lines
+
+
+def header() -> None:
+    print(
+        f"{'size':>6} {'case':<34} {'MiB':>5} {'nb':>2} {'median ms':>10} {'min-max ms':>19} {'send ms':>8}"
+        f" {'GB/s':>8} {'/raw':>6}"
+        f"  {'trainMB':>8} {'workMB':>8}",
+        flush=True,
+    )
+
+
+def write_json(path: str, args: argparse.Namespace, cases: list[Case], summary: list[str] | None = None) -> None:
+    with open(path, "w") as fh:
+        json.dump(
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "func"},
+                "cases": [c.row() for c in cases],
+                "ratios": summary or [],
+            },
+            fh,
+            indent=2,
+        )
+    print(f"wrote {path}")
+
+
+def plot(cases: list[Case], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install 'weightsync[plot]'); no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for size in dict.fromkeys(c.size for c in cases):
+        for nbuf in (1, 2, 3):
+            pts = sorted(
+                (c.buffer_mib, c.gbps)
+                for c in cases
+                if c.size == size and c.num_buffers == nbuf and c.name.startswith("weightsync ipc")
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{size} ipc, {nbuf} buffer(s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("buffer size (MiB)")
+    ax.set_ylabel("effective GB/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -1,0 +1,203 @@
+"""``python -m weightsync demo | bench | doctor | cluster``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
+from weightsync.tools.cli_types import mib, positive_int
+from weightsync.tools.models import SIZES, PolicyFactory, train_step
+
+
+def _print(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def _actor_options(device: str, colocated: bool, parties: int) -> dict[str, Any]:
+    """Colocated actors share one GPU evenly; others get a GPU each."""
+    if device != "cuda":
+        return {"num_cpus": 0}
+    return {"num_cpus": 0, "num_gpus": 1 / parties if colocated else 1}
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Train a small policy for a few steps, syncing and checking after each one."""
+    import ray
+
+    from weightsync.glue.actors import TrainerActor, WorkerActor
+    from weightsync.glue.coordinator import WeightSync
+    from weightsync.tools.cluster import connect
+
+    started = time.perf_counter()
+    how = connect(args.address, num_cpus=args.num_cpus)
+    _print(f"ray: {how['mode']} ({how.get('address', '')}) in {time.perf_counter() - started:.1f}s")
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if args.device == "cuda" and gpus < 1:
+        _print("error: --device cuda but the Ray cluster has no GPU; run with --device cpu")
+        return 2
+    colocated = args.transport in ("auto", "ipc", "direct") or gpus < 2
+    parties = args.workers + 1
+    trainer = TrainerActor.options(**_actor_options(args.device, colocated, parties)).remote(
+        PolicyFactory(args.size, seed=0, device="cpu"), device=args.device
+    )
+    workers = {
+        f"worker-{i}": WorkerActor.options(**_actor_options(args.device, colocated, parties)).remote(
+            PolicyFactory(args.size, seed=i + 1, device="cpu"), device=args.device
+        )
+        for i in range(args.workers)
+    }
+    ok = True
+    try:
+        ws = WeightSync(
+            trainer,
+            workers,
+            transport=args.transport,
+            buffer_bytes=args.buffer_mib,
+            num_buffers=args.num_buffers,
+            timeout_s=args.timeout,
+            verify=args.verify,
+        )
+        manifest = ws.setup()
+        _print(
+            f"model: {args.size} policy, {len(manifest.specs)} tensors, {manifest.total_bytes / 1e6:.1f} MB; "
+            f"buffers: {manifest.num_buffers} x {manifest.buffer_bytes / 2**20:.0f} MiB, {len(manifest.chunks)} chunk(s)"
+        )
+        _print("transports: " + ", ".join(f"{n}={t}" for n, t in ws.transports().items()))
+        _print(f"{'step':>4} {'loss':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}  {'workers (transport@version)':<40} check")
+        rows = []
+        for step in range(1, args.steps + 1):
+            loss = ray.get(trainer.call.remote(train_step, step), timeout=args.timeout)
+            report = ws.sync(version=step)
+            try:
+                ws.verify()
+                check = "bit-exact"
+            except Exception as exc:  # noqa: BLE001 - reported in the table and the exit code
+                check = f"MISMATCH: {exc}"
+                ok = False
+            who = " ".join(f"{w.transport}@{w.version}" for w in report.workers)
+            _print(
+                f"{step:>4} {loss:>8.4f} {report.bytes / 1e6:>8.1f} {report.seconds * 1e3:>9.2f} "
+                f"{report.gbps:>7.2f}  {who:<40} {check}"
+            )
+            rows.append({"step": step, "loss": loss, **report.to_dict(), "check": check})
+        losses = [r["loss"] for r in rows]
+        if len(losses) >= 2 and not losses[-1] < losses[0]:
+            _print(f"warning: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        ws.close()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=2)
+        _print(
+            f"demo {'passed' if ok else 'FAILED'}: {args.steps} syncs to {args.workers} worker(s), "
+            f"every worker {'bit-exact with' if ok else 'checked against'} the trainer after each"
+        )
+    finally:
+        for handle in [trainer, *workers.values()]:
+            ray.kill(handle)
+    return 0 if ok else 1
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Print versions, devices, Ray resources, and which transports work here (and why not)."""
+    _print(f"python {platform.python_version()} on {platform.machine()} {platform.system()}")
+    _print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}")
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        _print(f"  cuda:{i} {props.name} {props.total_memory / 2**30:.0f} GiB uuid {props.uuid}")
+    try:
+        import ray
+
+        _print(f"ray {ray.__version__}")
+    except ImportError as exc:
+        _print(f"ray: not importable ({exc}); pip install ray")
+        return 1
+    nccl_reason = ""
+    try:
+        import cupy
+
+        from weightsync.core.transport.nccl import nccl_version
+
+        version = nccl_version()
+        _print(f"cupy {cupy.__version__}; NCCL {version or 'not loadable'}")
+        if version is None:
+            nccl_reason = "CuPy cannot load NCCL: pip install nvidia-nccl-cu12 (or -cu13)"
+    except ImportError:
+        _print("cupy: not installed (GPU broadcast needs weightsync[cuda12] or [cuda13])")
+        nccl_reason = "CuPy is not installed"
+    from weightsync.core.transport.shm import SHM_DIR, leftover_segments
+
+    shm_ok = os.access(SHM_DIR, os.W_OK)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rows = [
+        ("broadcast (gloo, CPU)", True, ""),
+        ("ipc (shared memory, CPU)", shm_ok, f"{SHM_DIR} is not writable"),
+        ("direct (shared memory, CPU)", shm_ok, f"{SHM_DIR} is not writable"),
+        ("ipc / direct (CUDA IPC)", gpus >= 1, "no GPU visible"),
+        ("broadcast (NCCL)", gpus >= 1 and not nccl_reason, nccl_reason or "no GPU visible"),
+    ]
+    _print("transports:")
+    for name, usable, why in rows:
+        _print(f"  {name:<30} {'usable' if usable else 'unusable: ' + why}")
+    if gpus == 1:
+        _print("  note: NCCL between trainer and workers needs them on different GPUs; one GPU means ipc/direct")
+    leftovers = leftover_segments()
+    if leftovers:
+        _print(f"warning: {len(leftovers)} weightsync segment(s) left in {SHM_DIR}: {leftovers[:5]}")
+    if args.ray:
+        from weightsync.tools.cluster import connect
+
+        how = connect(args.address)
+        _print(f"ray cluster ({how['mode']}): {ray.cluster_resources()}")
+        ray.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m weightsync", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="train a small policy and sync it to workers after every step")
+    d.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    d.add_argument("--workers", type=positive_int, default=2)
+    d.add_argument("--transport", default="auto", choices=["auto", "broadcast", "ipc", "direct"])
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
+    d.add_argument("--size", default="30mb", choices=list(SIZES))
+    d.add_argument(
+        "--buffer-mib", type=mib, default=None, help="buffer size in MiB (default: auto, sized from the model)"
+    )
+    d.add_argument("--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS)
+    d.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync")
+    d.add_argument("--num-cpus", type=int, default=None, help="CPUs for an embedded cluster")
+    d.add_argument("--json", help="write the per-step reports here")
+    d.set_defaults(func=demo)
+
+    b = sub.add_parser("bench", help="measure sync speed against baselines and the hardware limit")
+    from weightsync.tools.bench import add_arguments
+
+    add_arguments(b)
+
+    c = sub.add_parser("cluster", help="a local Ray head (loopback, token auth) and job submission to it")
+    from weightsync.tools.cluster_cli import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(c)
+
+    doc = sub.add_parser("doctor", help="versions, devices, and which transports work here")
+    doc.add_argument("--ray", action="store_true", help="also start (or join) Ray and list its resources")
+    doc.add_argument("--address")
+    doc.set_defaults(func=doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

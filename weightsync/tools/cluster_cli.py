@@ -1,0 +1,117 @@
+"""``python -m weightsync cluster start | submit | env | stop``: a local head and jobs on it.
+
+    python -m weightsync cluster start                  # loopback head, token auth, job server
+    python -m weightsync cluster submit -- python -m weightsync demo --workers 2
+    eval "$(python -m weightsync cluster env)"          # then plain `ray job submit ...` works
+    python -m weightsync cluster stop                   # stops this head only
+
+``submit`` also takes ``--address URL --token-file FILE`` for a head it did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from weightsync.tools.head import HeadError, HeadInfo, default_directory, read_info, start_head, stop_head
+from weightsync.tools.jobs import JobServer
+
+
+def _running_head(directory: Path) -> HeadInfo:
+    info = read_info(directory)
+    if info is None:
+        raise HeadError(f"no head recorded in {directory}: start one with `python -m weightsync cluster start`")
+    return info
+
+
+def _start(args: argparse.Namespace) -> int:
+    print(f"starting a Ray head in {args.dir} (loopback, token auth, job server) ...", flush=True)
+    info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout)
+    print(f"head running: pid {info.pid}, GCS {info.gcs_address}, job server {info.dashboard_url}")
+    print(f"token: {info.token_path} (mode 0600); ray start's output: {args.dir / 'head.log'}")
+    print("submit:  python -m weightsync cluster submit -- python -m weightsync demo --workers 2")
+    print(
+        f'or:      eval "$(python -m weightsync cluster env --dir {args.dir})"; ray job submit --working-dir . -- ...'
+    )
+    print(f"stop:    python -m weightsync cluster stop --dir {args.dir}")
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    for name, value in _running_head(args.dir).env().items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    print(stop_head(args.dir, timeout_s=args.timeout))
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    entrypoint = list(args.entrypoint)
+    if entrypoint and entrypoint[0] == "--":
+        entrypoint = entrypoint[1:]
+    if not entrypoint:
+        raise HeadError("submit needs an entrypoint after `--`, e.g. -- python -m weightsync demo")
+    if args.address:
+        if not args.token_file:
+            raise HeadError("--address needs --token-file (the head's token; on a head you started: its auth_token)")
+        server = JobServer(args.address, Path(args.token_file).read_text().strip())
+    else:
+        server = _running_head(args.dir).job_server
+    runtime_env: dict[str, Any] = {"working_dir": args.working_dir}
+    runtime_env.update(json.loads(args.runtime_env_json) if args.runtime_env_json else {})
+    job_id = server.submit(shlex.join(entrypoint), runtime_env)
+    print(f"submitted job {job_id} to {server.url}", flush=True)
+    if args.no_wait:
+        return 0
+    status = server.follow(job_id, timeout_s=args.timeout)
+    print(f"job {job_id}: {status}", flush=True)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cluster_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--dir",
+        type=Path,
+        default=default_directory(),
+        help="the head's directory: head.json, auth_token, logs, Ray's temp dir (default: %(default)s, "
+        "or $WEIGHTSYNC_HEAD_DIR)",
+    )
+    start = sub.add_parser("start", parents=[common], help="start a loopback Ray head with token auth and jobs")
+    start.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
+    start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the job server")
+    start.set_defaults(cluster_func=_start)
+
+    submit = sub.add_parser("submit", parents=[common], help="submit a job and follow its log until it ends")
+    submit.add_argument("--address", help="a job server this command did not start (http://host:8265)")
+    submit.add_argument("--token-file", help="with --address: the file holding that head's token")
+    submit.add_argument("--working-dir", default=".", help="uploaded as the job's working dir (default: .)")
+    submit.add_argument("--runtime-env-json", help='merged into the runtime env, e.g. \'{"py_executable": "..."}\'')
+    submit.add_argument("--timeout", type=float, default=900.0, help="stop the job after this many seconds")
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- the command the job runs")
+    submit.set_defaults(cluster_func=_submit)
+
+    env = sub.add_parser("env", parents=[common], help="print the exports plain `ray job submit` needs")
+    env.set_defaults(cluster_func=_env)
+
+    stop = sub.add_parser("stop", parents=[common], help="stop the head this checkout started (never `ray stop`)")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the head to exit")
+    stop.set_defaults(cluster_func=_stop)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return int(args.cluster_func(args))
+    except HeadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
