@@ -37,12 +37,15 @@ class Flat(nn.Module):
 
 def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: int, out: Any) -> None:
     from weightsync import WeightReceiver, WeightSender
+    from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
     from weightsync.core.transport.gloo import GlooCommunicator
     from weightsync.core.wire import SyncCall, SyncSettings
 
     torch.set_num_threads(1)
     count = max(1, args.total_mib * 2**20 // size)
-    settings = SyncSettings(buffer_bytes=args.buffer_mib * 2**20, num_buffers=args.num_buffers, inplace_bytes=inplace)
+    settings = SyncSettings(
+        buffer_bytes=args.buffer_mib * 2**20, num_buffers=args.num_buffers, inplace_bytes=inplace, timeout_s=120.0
+    )
     model = Flat(count, size // 4, rank)
     manifest = WeightSender(Flat(count, size // 4, 0)).manifest(settings)
     members = ["trainer", *(f"r{i}" for i in range(1, world))]
@@ -52,8 +55,9 @@ def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: i
         endpoint.manifest(settings)
     else:
         endpoint = WeightReceiver(model, name=members[rank])
-        endpoint.accept(manifest)
-    endpoint.open_broadcast(comm, members, 120.0)
+        endpoint.accept(manifest, timeout_s=120.0)
+    half = BroadcastSender if rank == 0 else BroadcastReceiver
+    endpoint.install(half(comm, endpoint.session, members))
     times = []
     for seq in range(args.repeats + 1):
         comm.agree(False, time.monotonic() + 120)

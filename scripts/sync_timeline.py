@@ -23,7 +23,7 @@ import ray
 from weightsync import WeightSync
 from weightsync.core.sender import WeightSender
 from weightsync.core.transport import batched_copy, direct, streams
-from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.tools.cluster import connect
 from weightsync.tools.models import PolicyFactory
 
@@ -41,7 +41,7 @@ def _stamped(cls: Any, method: str, into: list[tuple[float, float]]) -> None:
     setattr(cls, method, wrapper)
 
 
-class StampedTrainer(_Trainer):
+class StampedTrainer(TrainerHost):
     def _stamp_drain(self) -> None:
         if "drains" in self.__dict__:
             return
@@ -63,7 +63,7 @@ class StampedTrainer(_Trainer):
         return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches")}
 
 
-class StampedWorker(_Worker):
+class StampedWorker(WorkerHost):
     def _timed(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
         if "announced" not in self.__dict__:

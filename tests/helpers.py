@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from weightsync.core import registry
+from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import module_tensors
-from weightsync.core.wire import ALLOWED_DTYPES
+from weightsync.core.wire import ALLOWED_DTYPES, Manifest, Session
+
+
+def session_of(manifest: Manifest, party: str = "trainer", server: str = "trainer", timeout_s: float = 30.0) -> Session:
+    """A Session for a half made by hand in a test."""
+    return Session(manifest=manifest, party=party, server=server, timeout_s=timeout_s)
+
+
+def act(side: Any, transport: str, action: str, *args: Any) -> Any:
+    """Run one setup action of a registered plug-in on an endpoint of this process (what a
+    party's ws_open does), for tests whose parties live in separate processes or threads."""
+    role = "trainer" if isinstance(side, WeightSender) else "worker"
+    return registry.get(transport).action(role, action)(side, *args)
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

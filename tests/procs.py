@@ -14,11 +14,13 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import torch
 
-from tests.helpers import random_tensor
+from tests.helpers import act, random_tensor
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core.packing import ChunkUnpacker
 from weightsync.core.sinks import LoadWeightsSink
+from weightsync.core.transport.broadcast import BroadcastReceiver
 from weightsync.core.transport.gloo import GlooCommunicator
+from weightsync.core.transport.ipc import IpcReceiver
 from weightsync.core.wire import Manifest, SyncCall
 
 LAYOUT = [
@@ -63,7 +65,9 @@ def gloo_rank(
         manifest = Manifest.build(WeightSender(Holder(0)).specs(), buffer_bytes, num_buffers)
         receiver.accept(manifest)
         comm = GlooCommunicator("127.0.0.1", port, rank, world, "test-group", 30.0)
-        receiver.open_broadcast(comm, ["trainer", *(f"rank-{r}" for r in range(1, world))], 30.0)
+        receiver.install(
+            BroadcastReceiver(comm, receiver.session, ["trainer", *(f"rank-{r}" for r in range(1, world))])
+        )
         results = []
         for sync, seed in enumerate(seeds):
             receiver.receive(SyncCall(seq=sync, version=sync + 1))
@@ -96,8 +100,8 @@ def ipc_consumer(
             items = list(items)
             if check_slots:
                 snapshot = [t.clone() for _, t in items]
-                ipc = receiver.ipc
-                assert ipc is not None
+                ipc = receiver.half("ipc")
+                assert isinstance(ipc, IpcReceiver)
                 g = state["g"]
                 end_of_sync = (state["sync"] + 1) * nchunks
                 while True:
@@ -111,7 +115,7 @@ def ipc_consumer(
 
         receiver = WeightReceiver(LoadWeightsSink(load), name="consumer")
         receiver.accept(manifest)
-        receiver.attach_ipc(export, 0, 30.0)
+        act(receiver, "ipc", "attach", export, 0)
         inner = ChunkUnpacker.unpack
 
         def counting_unpack(unpacker: ChunkUnpacker, chunk: Any, buffer: torch.Tensor) -> Any:
@@ -124,7 +128,7 @@ def ipc_consumer(
             state["sync"] = sync
             receiver.receive(SyncCall(seq=sync, version=sync + 1))
             results.append(holder.matches(seed))
-        importer = receiver.ipc.importer  # type: ignore[union-attr]
+        importer = receiver.half("ipc").importer  # type: ignore[union-attr]
         receiver.close_transports()
         queue.put((results, state["rewritten"], importer.maps, importer.releases, None))
     except BaseException:

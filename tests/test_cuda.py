@@ -18,7 +18,7 @@ from tests.helpers import MixedModel, assert_bit_equal, bytes_state_of, perturb,
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
 from weightsync.core.wire import ALLOWED_DTYPES, dtype_name
-from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.tools.models import PolicyFactory, train_step
 
 pytestmark = pytest.mark.cuda
@@ -35,7 +35,7 @@ class AllDtypes(nn.Module):
         self.register_buffer("empty", torch.empty(0, 3))
 
 
-class GpuTrainer(_Trainer):
+class GpuTrainer(TrainerHost):
     def cuda_memory(self) -> tuple[int, int]:
         torch.cuda.synchronize()
         return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -61,7 +61,7 @@ class GpuTrainer(_Trainer):
         return os.getpid()
 
 
-class GpuWorker(_Worker):
+class GpuWorker(WorkerHost):
     def cuda_memory(self) -> tuple[int, int]:
         torch.cuda.synchronize()
         return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -70,7 +70,7 @@ class GpuWorker(_Worker):
         return self._ws_receiver.ipc_import_counts()
 
     def direct_exports(self) -> int:
-        return self._ws_receiver.direct.exports_made
+        return self._ws_receiver.half("direct").exports_made
 
     def swap_parameter_storage(self) -> int:
         """Replace one parameter's storage (as a reload with assign=True would)."""

@@ -21,12 +21,12 @@ from weightsync import Status, SyncError, WeightSync
 from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import TensorPaths, module_tensors
 from weightsync.core.wire import ManifestError, SyncSettings
-from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.glue.actors import TrainerHost, WorkerHost
 
 
-class Worker(_Worker):
+class Worker(WorkerHost):
     def direct_exports(self) -> int:
-        return self._ws_receiver.direct.exports_made
+        return self._ws_receiver.half("direct").exports_made
 
     def move_storage(self, name: str, new_object: bool, seed: int) -> list[float]:
         """Give ``name`` new storage, as a reload would: ``p.data = ...`` or a new Parameter.
@@ -47,7 +47,7 @@ class Worker(_Worker):
 
 
 def pair(actors: Any, n: int = 1, worker_cls: type = Worker) -> tuple[Any, list[Any]]:
-    trainer = actors.add(ray.remote(_Trainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
+    trainer = actors.add(ray.remote(TrainerHost).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
     workers = [
         actors.add(ray.remote(worker_cls).options(num_cpus=0).remote(functools.partial(MixedModel, seed=i + 1)))
         for i in range(n)
@@ -88,7 +88,7 @@ class DiesWhileWritten(Worker):
     def ws_receive(self, call: Any) -> Any:
         if call.version == 2:
             # Dies in its wait for the write, after announcing it is ready.
-            self._ws_receiver.direct._control.wait = lambda *args, **kwargs: os._exit(3)
+            self._ws_receiver.half("direct")._control.wait = lambda *args, **kwargs: os._exit(3)
         return super().ws_receive(call)
 
 
@@ -109,7 +109,7 @@ def test_a_worker_killed_during_a_direct_sync_is_named_and_the_trainer_goes_on(d
     ws.close()
 
 
-class TrainerDiesInSend(_Trainer):
+class TrainerDiesInSend(TrainerHost):
     def ws_send(self, *args: Any) -> Any:
         os._exit(3)
 
@@ -210,7 +210,7 @@ def test_sender_keeps_its_copy_key_until_a_tensor_gets_new_storage() -> None:
 def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: Any) -> None:
     from weightsync.tools.models import PolicyFactory, train_step
 
-    trainer = actors.add(ray.remote(_Trainer).options(num_cpus=0).remote(PolicyFactory("1mb", 0)))
+    trainer = actors.add(ray.remote(TrainerHost).options(num_cpus=0).remote(PolicyFactory("1mb", 0)))
     worker = actors.add(ray.remote(Worker).options(num_cpus=0).remote(PolicyFactory("1mb", 1)))
     with WeightSync(trainer, [worker], transport="direct") as ws:
         for step in range(1, 4):
@@ -223,12 +223,12 @@ def test_direct_sync_of_a_large_model_is_bit_exact_after_training_steps(actors: 
                 assert_bit_equal(got[name], expected[name], name)
 
 
-class MiswritingTrainer(_Trainer):
+class MiswritingTrainer(TrainerHost):
     """Fault injection for the test: flip one bit in each worker's first tensor right after
     the next direct copy, before the trainer reports it written."""
 
     def miswrite_next(self) -> None:
-        writer = self._ws().direct
+        writer = self._ws().half("direct")
         assert writer is not None
         original = writer._streams.drain
 

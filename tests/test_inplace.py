@@ -19,7 +19,10 @@ from torch import nn
 
 from tests.helpers import assert_bit_equal, random_tensor
 from weightsync import WeightReceiver, WeightSender
+from weightsync.core import registry
+from weightsync.core.local import open_local
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
+from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.wire import ChecksumMismatch, Manifest, ManifestError, SettingsError, SyncCall, SyncSettings
 from weightsync.core.wire.outcome import ok
@@ -88,13 +91,12 @@ def run_group(
 
     def rank(i: int) -> None:
         if i == 0:
-            sender.open_broadcast(
-                GlooCommunicator("127.0.0.1", store.port, 0, world, "t", 30.0, store=store), members, 30.0
-            )
+            comm = GlooCommunicator("127.0.0.1", store.port, 0, world, "t", 30.0, store=store)
+            sender.install(BroadcastSender(comm, sender.session, members))
         else:
-            receivers[i - 1].open_broadcast(
-                GlooCommunicator("127.0.0.1", store.port, i, world, "t", 30.0), members, 30.0
-            )
+            receiver = receivers[i - 1]
+            comm = GlooCommunicator("127.0.0.1", store.port, i, world, "t", 30.0)
+            receiver.install(BroadcastReceiver(comm, receiver.session, members))
         for n, call in enumerate(calls):
             if i == 0:
                 between(n)
@@ -242,14 +244,21 @@ def test_tampered_threshold_or_plan_is_refused_naming_the_setting() -> None:
     m = WeightSender(Model(0)).manifest(SETTINGS)
     import dataclasses
 
-    other = dataclasses.replace(m, inplace_bytes=THRESHOLD * 4)
+    def tampered(**fields: Any) -> Manifest:
+        """``m`` with agreed settings changed in transit (unpickled: no checks ran)."""
+        agreed = dataclasses.replace(m.agreed)
+        for name, value in fields.items():
+            object.__setattr__(agreed, name, value)
+        return dataclasses.replace(m, agreed=agreed)
+
+    other = tampered(inplace_bytes=THRESHOLD * 4)
     with pytest.raises(ManifestError, match="inplace_bytes"):
         other.validate()
     flipped = tuple(dataclasses.replace(c, inplace=False) if c.inplace else c for c in m.broadcast_chunks)
     with pytest.raises(ManifestError, match="broadcast plan"):
         dataclasses.replace(m, broadcast_chunks=flipped).validate()
     with pytest.raises(ManifestError, match="inplace_bytes"):
-        dataclasses.replace(m, inplace_bytes=-1).validate()
+        tampered(inplace_bytes=-1).validate()
     with pytest.raises(ManifestError, match="inplace_bytes: trainer uses 4096, w was configured with 0"):
         m.check_buffer_expectations("w", inplace_bytes=0)
     with pytest.raises(SettingsError, match="inplace_bytes"):
@@ -293,7 +302,7 @@ def test_auto_buffers_smaller_than_a_tensor_sync_bit_exact_over_every_transport(
     sender = WeightSender(model)
     hints = BufferHints(device="cpu", free_bytes=(8 * 4096,))
     m = sender.manifest(SyncSettings(inplace_bytes=16384), hints)
-    assert m.buffer_bytes == 4096 and max(s.nbytes for s in m.specs) > m.buffer_bytes
+    assert m.agreed.buffer_bytes == 4096 and max(s.nbytes for s in m.specs) > m.agreed.buffer_bytes
     assert any(len({p.spec_index for p in c.pieces}) == 1 and c.nbytes == 4096 for c in m.chunks)  # split in ipc
     want = tensors(5)
     # broadcast: "q" and "down" in place, "embed" (12 KiB) split across packed chunks
@@ -309,19 +318,15 @@ def test_auto_buffers_smaller_than_a_tensor_sync_bit_exact_over_every_transport(
     loader = Loader()
     ipc = WeightReceiver(LoadWeightsSink(loader), name="i")
     ipc.accept(m)
-    ipc.attach_ipc(sender.export_ipc(["i"], 30.0), 0, 30.0)
-    assert sender.ipc is not None
-    sender.ipc.seal()
-    _pair_sync(sender, ipc, SyncCall(seq=0, version=1, kinds=("ipc",)))
+    open_local(registry.get("ipc"), sender, {"i": ipc})
+    _pair_sync(sender, ipc, SyncCall(seq=0, version=1, targets={"ipc": ("i",)}))
     sender.close_transports()
     ipc.close_transports()
     worker_d = Model(91)
     direct = WeightReceiver(worker_d, name="d")
     direct.accept(m)
-    sender.map_direct(direct.export_direct(30.0), 30.0)
-    assert direct.direct is not None
-    direct.direct.seal()
-    _pair_sync(sender, direct, SyncCall(seq=0, version=1, kinds=("direct",), direct=("d",)))
+    open_local(registry.get("direct"), sender, {"d": direct})
+    _pair_sync(sender, direct, SyncCall(seq=0, version=1, targets={"direct": ("d",)}))
     sender.close_transports()
     direct.close_transports()
     for name, t in want.items():
@@ -385,7 +390,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
         sender = WeightSender(model, device=device)
         manifest = sender.manifest(SETTINGS)
         recording = _Recording(nccl)
-        sender.open_broadcast(recording, ["trainer"], 60.0)
+        sender.install(BroadcastSender(recording, sender.session, ["trainer"]))
         call = SyncCall(seq=0, version=1, verify=True)
         sent = sender.send(call)
         assert len(recording.sent) == len(manifest.broadcast_chunks)
@@ -398,7 +403,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
             receiver = WeightReceiver(sink, device=device, name="w")
             receiver.accept(manifest)
             feeding = _Feeding(nccl, recording.sent)
-            receiver.open_broadcast(feeding, ["trainer", "w"], 60.0)
+            receiver.install(BroadcastReceiver(feeding, receiver.session, ["trainer", "w"]))
             got = receiver.receive(call)
             assert got.checksums == sent.checksums["broadcast"]
             receiver.commit(call, ok("trainer", "send", sent), ok("w", "receive", got))
@@ -410,7 +415,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
                 landed = {feeding.targets[i] for i in inplace}
                 names = [manifest.specs[manifest.broadcast_chunks[i].pieces[0].spec_index].name for i in inplace]
                 assert landed == {getattr(worker, n).data_ptr() for n in names}  # straight into the parameters
-            receiver.half.close()  # type: ignore[union-attr]
+            receiver.close_transports()
         sender.halves["broadcast"].close()
     finally:
         nccl.close()

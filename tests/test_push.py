@@ -21,10 +21,10 @@ from tests.helpers import MixedModel, perturb
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
 from weightsync import SetupError, Status, SyncError, WeightSync
 from weightsync.core.wire.messages import PushResult
-from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.glue.actors import TrainerHost, WorkerHost
 
 
-class PushingTrainer(_Trainer):
+class PushingTrainer(TrainerHost):
     def train_and_push(self, step: int, force: bool = False) -> PushResult:
         """One "training step" (new random weights) and the push, in one call."""
         perturb(self.model, seed=100 + step)
@@ -37,7 +37,9 @@ class PushingTrainer(_Trainer):
 def parties(actors: Any, n: int = 2, sink: str = "module") -> tuple[Any, list[Any]]:
     trainer = actors.add(ray.remote(PushingTrainer).options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
     workers = [
-        actors.add(ray.remote(_Worker).options(num_cpus=0).remote(functools.partial(MixedModel, seed=i + 1), sink=sink))
+        actors.add(
+            ray.remote(WorkerHost).options(num_cpus=0).remote(functools.partial(MixedModel, seed=i + 1), sink=sink)
+        )
         for i in range(n)
     ]
     return trainer, workers
@@ -138,7 +140,7 @@ def test_an_in_trainer_push_names_a_worker_whose_tensors_moved_and_sync_repairs_
 def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) -> None:
     trainer, workers = parties(actors, n=2)
     loader = actors.add(
-        ray.remote(_Worker)
+        ray.remote(WorkerHost)
         .options(num_cpus=0)
         .remote(functools.partial(LoadingMixedModel, seed=5), sink="load_weights")
     )
@@ -162,6 +164,8 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     import time
 
     from tests.helpers import state_of
+    from weightsync.core import registry
+    from weightsync.core.local import open_local
     from weightsync.core.pusher import Pusher
     from weightsync.core.receiver import WeightReceiver
     from weightsync.core.sender import WeightSender
@@ -173,17 +177,19 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     sender = WeightSender(model=trainer_model)
     manifest = sender.manifest(SyncSettings(timeout_s=1.0))
     receiver = WeightReceiver(worker_model, name="reader")
-    receiver.accept(manifest)
-    sender.map_direct(receiver.export_direct(1.0), 1.0)
-    pusher = Pusher(1.0)
-    pusher.attach([receiver.listen(1.0)])
+    receiver.accept(manifest, timeout_s=1.0)
+    open_local(registry.get("direct"), sender, {"reader": receiver})
+    pusher = Pusher(sender.session, "direct")
+    pusher.attach([receiver.listen()])
     receiver.seal_listen()
     before = {n: t.clone() for n, t in state_of(worker_model).items()}
     results: list[PushResult] = []
     try:
         with receiver.reading():
             thread = threading.Thread(
-                target=lambda: results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, direct=("reader",))))
+                target=lambda: results.append(
+                    pusher.push(sender.send, SyncCall(seq=0, version=1, targets={"direct": ("reader",)}))
+                )
             )
             thread.start()
             thread.join(30)

@@ -16,7 +16,7 @@ from tests.conftest import RAY_TIMEOUT, ROOT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
 from weightsync import LoadWeightsSink, TrainerActor, WeightSync, WorkerActor
 from weightsync.core.transport.shm import leftover_segments
-from weightsync.glue.actors import TrainerMixin, WorkerMixin, _Trainer
+from weightsync.glue.actors import TrainerHost, TrainerMixin, WorkerMixin
 from weightsync.tools.models import PolicyFactory, train_step
 
 
@@ -126,7 +126,7 @@ def _check_slot(
     g = state["g"]
     end = (state["sync"] + 1) * nchunks
     while True:
-        published, waiting = receiver.ipc.progress()
+        published, waiting = receiver.half("ipc").progress()
         if waiting == g + nbuf + 1 or published > g + nbuf or published == end:
             break
     state["rewritten"] += sum(not torch.equal(a, b) for (_, a), b in zip(items, snapshot))
@@ -163,7 +163,7 @@ class CheckingWorker(WorkerMixin):
         return os.getpid()
 
 
-class CountingTrainer(_Trainer):
+class CountingTrainer(TrainerHost):
     sends = 0
 
     def ws_send(self, *args: Any, **kwargs: Any) -> Any:

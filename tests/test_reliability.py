@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.conftest import RAY_TIMEOUT
-from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, state_of
+from tests.helpers import MixedModel, act, assert_bit_equal, perturb, random_tensor, state_of
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
 from weightsync import (
     SetupError,
@@ -29,19 +29,19 @@ from weightsync import (
 from weightsync.core.packing import ChunkUnpacker
 from weightsync.core.sinks import module_tensors
 from weightsync.core.transport.base import unpacker_for
+from weightsync.core.transport.ipc import IpcReceiver, IpcSender
 from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import (
     PROTOCOL_VERSION,
-    ChunkHandle,
     ExportNotFound,
-    Manifest,
     ManifestError,
     ShmHandle,
     Status,
     SyncSettings,
     WeightSyncError,
 )
-from weightsync.glue.actors import _Worker
+from weightsync.glue.actors import WorkerHost
+from weightsync.tools.bench.chunks import ChunkHandle, consume_chunk, pack_chunk
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
@@ -130,15 +130,7 @@ def test_empty_model_is_refused_at_setup(actors: Any) -> None:
 def test_protocol_version_and_tampered_manifest_are_refused_by_the_receiver() -> None:
     receiver = WeightReceiver(MixedModel(seed=1), name="worker-7")
     good = WeightSender(MixedModel(seed=0)).manifest(SyncSettings(buffer_bytes=4096))
-    future = Manifest(
-        good.specs,
-        good.buffer_bytes,
-        good.num_buffers,
-        good.alignment,
-        good.chunks,
-        PROTOCOL_VERSION + 1,
-        good.total_bytes,
-    )
+    future = replace(good, protocol_version=PROTOCOL_VERSION + 1)
     with pytest.raises(ManifestError, match="protocol version mismatch"):
         receiver.accept(future)
     with pytest.raises(ManifestError, match="expected a Manifest, got dict"):
@@ -273,7 +265,7 @@ def test_versions_must_increase_unless_forced(actors: Any) -> None:
         assert ws.sync(3, force=True).workers[0].version == 3
 
 
-class CorruptingWorker(_Worker):
+class CorruptingWorker(WorkerHost):
     """Fault injection lives here, in the test: flip one bit of a received chunk, once."""
 
     def corrupt_next(self, chunk_index: int, byte: int) -> None:
@@ -418,20 +410,22 @@ def ipc_pair(buffer_bytes: int = 1024) -> tuple[WeightSender, WeightReceiver, Mi
     target = MixedModel(seed=1)
     receiver = WeightReceiver(target, name="worker-h")
     receiver.accept(manifest)
-    receiver.attach_ipc(sender.export_ipc(["worker-h"], 10.0), 0, 10.0)
+    act(receiver, "ipc", "attach", act(sender, "ipc", "export", ("worker-h",)), 0)
     return sender, receiver, target
 
 
 def pack(sender: WeightSender, chunk: int, slot: int) -> ChunkHandle:
-    """The per-chunk IPC API on the trainer's side."""
-    assert sender.ipc is not None
-    return sender.ipc.pack(chunk, slot, sender.sources())
+    """The per-chunk IPC hand-off on the trainer's side."""
+    ipc = sender.half("ipc")
+    assert isinstance(ipc, IpcSender)
+    return pack_chunk(ipc, chunk, slot, sender.sources())
 
 
 def consume(receiver: WeightReceiver, handle: ChunkHandle, unpacker: ChunkUnpacker | None = None) -> None:
-    """The per-chunk IPC API on the worker's side."""
-    assert receiver.ipc is not None and receiver.manifest is not None
-    receiver.ipc.consume(handle, unpacker or unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
+    """The per-chunk IPC hand-off on the worker's side."""
+    ipc = receiver.half("ipc")
+    assert isinstance(ipc, IpcReceiver) and receiver.manifest is not None
+    consume_chunk(ipc, handle, unpacker or unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
 
 
 def test_hostile_chunk_handles_are_refused_and_nothing_is_written(no_shm_leftovers: None) -> None:
@@ -460,13 +454,13 @@ def test_hostile_chunk_handles_are_refused_and_nothing_is_written(no_shm_leftove
 
 def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftovers: None) -> None:
     sender, receiver, _ = ipc_pair()
-    export = sender.ipc._export  # type: ignore[union-attr]
+    export = sender.half("ipc")._export  # type: ignore[union-attr]
     receiver.close_transports()
     sender.close_transports()
     late = WeightReceiver(MixedModel(seed=2), name="late")
     late.accept(sender.current_manifest)
     with pytest.raises(ExportNotFound, match="does not exist: it was closed, or belongs to a previous session"):
-        late.attach_ipc(export, 0, 5.0)
+        act(late, "ipc", "attach", export, 0)
     foreign = ShmHandle(path="/dev/shm/weightsync-x", nbytes=16, hostname="another-host", session="s")
     from weightsync.core.transport.shm import map_shm
 
@@ -478,8 +472,8 @@ def test_ipc_importer_maps_once_and_releases_once_across_many_chunks(no_shm_left
     sender, receiver, target = ipc_pair(buffer_bytes=512)
     nchunks = len(sender.current_manifest.chunks)
     assert nchunks > 3
-    ipc = receiver.ipc
-    assert ipc is not None
+    ipc = receiver.half("ipc")
+    assert isinstance(ipc, IpcReceiver)
     for sync in range(3):
         perturb(sender.model, sync)  # type: ignore[arg-type]
         unpacker = unpacker_for(receiver.manifest, receiver.sink)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from weightsync import TrainerActor, WeightSync, WorkerActor
 from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
 from weightsync.core.wire.messages import SourceLayout
 from weightsync.core.wire.settings import SyncSettings
-from weightsync.glue.actors import _Trainer, trainer_ranks
+from weightsync.glue.actors import TrainerHost, trainer_ranks
 from weightsync.glue.ranks import RankSpec, TrainerRanks
 
 # Many small tensors (about 8.5 MB in all, none over 132 KB), so a bucket of 256 KiB is a
@@ -39,7 +39,7 @@ def get(ref: Any) -> Any:
     return ray.get(ref, timeout=RAY_TIMEOUT)
 
 
-class _Rank(_Trainer):
+class _Rank(TrainerHost):
     """A TrainerActor that can be told to die in the middle of a sync."""
 
     def die_at_bucket(self, bucket: int) -> None:
@@ -245,15 +245,17 @@ def test_three_ranks_mixed_dtensor_and_plain_model_with_a_bf16_wire(three: dict[
         ws.verify()
 
 
-def test_a_rank_killed_mid_sync_fails_the_sync_naming_it(two: dict[str, Any]) -> None:
-    """Rank 1 exits between two gathers; rank 0 (inside the next gather) learns at once."""
+def test_a_rank_killed_mid_sync_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:
+    """Rank 1 exits between two gathers; rank 0 (inside the next gather) learns at once, and
+    the workers rank 1 serves (ipc and direct) blame it by its rank name."""
     ranks = two["ranks"]
     workers = {n: two["workers"][n] for n in ("b1", "i1")}  # b0 and d0 hold bf16 now
+    workers["d1"] = pool.add(WorkerActor.options(num_cpus=0).remote(partial(fm.plain_lm, tied=True, **SHAPE)))
     ws = WeightSync(
         ranks,
         workers,
-        transport={"b1": "broadcast", "i1": "ipc"},
-        worker_ranks={"i1": 1},
+        transport={"b1": "broadcast", "i1": "ipc", "d1": "direct"},
+        worker_ranks={"i1": 1, "d1": 1},
         buffer_bytes=BUFFER,
         timeout_s=30,
     )
@@ -266,6 +268,8 @@ def test_a_rank_killed_mid_sync_fails_the_sync_naming_it(two: dict[str, Any]) ->
     assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead
     assert "trainer-rank-1" in str(err)
     assert err.outcomes["trainer-rank-0"].consequence  # rank 0 failed because rank 1 did
+    # The direct worker it was writing names the rank that serves it, not a party "trainer".
+    assert err.outcomes["d1"].blames == ("trainer-rank-1",), err.outcomes["d1"]
     assert err.held["b1"][0] == 20
     assert all(state != "receiving" for _, state in err.held.values())
     # The surviving rank still answers, its shards intact; the next setup names the dead rank.

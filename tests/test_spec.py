@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,12 +94,10 @@ def test_manifest_refuses_bad_buffer_settings() -> None:
 
 def test_validate_refuses_another_protocol_version_and_a_tampered_plan() -> None:
     m = Manifest.build(specs(), buffer_bytes=1024)
-    other = Manifest(
-        m.specs, m.buffer_bytes, m.num_buffers, m.alignment, m.chunks, protocol_version=99, total_bytes=m.total_bytes
-    )
+    other = replace(m, protocol_version=99)
     with pytest.raises(ManifestError, match="protocol version mismatch: the trainer speaks 99"):
         other.validate()
-    tampered = Manifest(m.specs, m.buffer_bytes, m.num_buffers, m.alignment, m.chunks[:0], total_bytes=m.total_bytes)
+    tampered = replace(m, chunks=m.chunks[:0])
     with pytest.raises(ManifestError, match="chunk plan"):
         tampered.validate()
 

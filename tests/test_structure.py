@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import session_of
 from weightsync.core.choice import choose_transport
 from weightsync.core.packing import tensor_checksums
-from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
 from weightsync.core.wire import (
     EndpointInfo,
     Outcome,
@@ -28,6 +29,7 @@ from weightsync.core.wire import (
     assign_blame,
 )
 from weightsync.core.wire.outcome import failed
+from weightsync.core.wire.session import Deadlines
 
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 
@@ -273,7 +275,7 @@ def test_a_refused_agreement_names_the_refuser_moves_nothing_and_keeps_the_group
 
     manifest = Manifest.build([TensorSpec("w", (4,), "float32")], buffer_bytes=256)
     comm = RefusingComm()
-    half = BroadcastSender(comm, manifest, 5.0, ["trainer", "w1"])
+    half = BroadcastSender(comm, session_of(manifest, timeout_s=5.0), ["trainer", "w1"])
     with pytest.raises(PeerAborted) as info:
         half.send(Sources([torch.randn(4)], None), SyncCall(seq=0, version=1), time.monotonic() + 5)
     assert info.value.blames == ("w1",)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import act, session_of
 from tests.procs import Holder, gloo_rank, ipc_consumer
 from weightsync.core.sender import WeightSender
 from weightsync.core.transport.base import Sources
@@ -46,17 +47,19 @@ def test_gloo_broadcast_to_two_receivers_over_loopback_is_bit_exact(num_buffers:
         sender = WeightSender(model)
         manifest = sender.manifest(SyncSettings(buffer_bytes=buffer_bytes, num_buffers=num_buffers))
         assert len(manifest.chunks) >= 4
-        sender.open_broadcast(
-            GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store),
-            ["trainer", "rank-1", "rank-2"],
-            30.0,
+        sender.install(
+            BroadcastSender(
+                GlooCommunicator("127.0.0.1", store.port, 0, world, "test-group", 30.0, store=store),
+                sender.session,
+                ["trainer", "rank-1", "rank-2"],
+            )
         )
         half = sender.halves["broadcast"]
         assert isinstance(half, BroadcastSender)
         first_buffers = None
         for sync, seed in enumerate(SEEDS):
             model.load(seed)
-            sender.send(SyncCall(seq=sync, version=sync + 1, kinds=("broadcast",)))
+            sender.send(SyncCall(seq=sync, version=sync + 1, targets={"broadcast": ("rank-1", "rank-2")}))
             buffers = [b.data_ptr() for b in half.buffers()]
             first_buffers = first_buffers or buffers
             assert buffers == first_buffers, "buffers must be allocated once and reused"
@@ -77,14 +80,14 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     sender = WeightSender(model)
     manifest = sender.manifest(SyncSettings(buffer_bytes=buffer_bytes, num_buffers=num_buffers))
     assert len(manifest.chunks) > num_buffers
-    export = sender.export_ipc(["consumer"], 30.0)
+    export = act(sender, "ipc", "export", ("consumer",))
     queue = CTX.Queue()
     child = CTX.Process(target=ipc_consumer, args=(export, buffer_bytes, num_buffers, SEEDS, queue, True))
     child.start()
     try:
         for sync, seed in enumerate(SEEDS):
             model.load(seed)
-            sender.send(SyncCall(seq=sync, version=sync + 1, kinds=("ipc",)))
+            sender.send(SyncCall(seq=sync, version=sync + 1, targets={"ipc": ("consumer",)}))
         [(matches, rewritten, maps, releases, _)] = collect(queue, 1)
         assert matches == [True] * len(SEEDS)
         assert rewritten == 0
@@ -112,13 +115,13 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
     model = Holder(seed=0)
     sender = WeightSender(model)
     sender.manifest(SyncSettings(buffer_bytes=8192, num_buffers=1))
-    export = sender.export_ipc(["consumer"], 30.0)
+    export = act(sender, "ipc", "export", ("consumer",))
     queue = CTX.Queue()
     child = CTX.Process(target=ipc_consumer, args=(export, 8192, 1, SEEDS[:1], queue, True))
     child.start()
     try:
         model.load(SEEDS[0])
-        sender.send(SyncCall(seq=0, version=1, kinds=("ipc",)))
+        sender.send(SyncCall(seq=0, version=1, targets={"ipc": ("consumer",)}))
         [(_, rewritten, _, _, _)] = collect(queue, 1)
         assert rewritten > 0
     finally:
@@ -166,7 +169,7 @@ def test_producer_keeps_in_flight_chunks_intact_and_drains_before_returning(num_
     model = Holder(seed=0)
     manifest = WeightSender(model).manifest(SyncSettings(buffer_bytes=8192, num_buffers=num_buffers))
     comm = RecordingComm()
-    sender = BroadcastSender(comm, manifest, 30.0, ["trainer", "worker"])
+    sender = BroadcastSender(comm, session_of(manifest), ["trainer", "worker"])
     sources = [t for _, t in WeightSender(model).named_tensors()]
     sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 30.0)
     assert comm.started == len(manifest.chunks)
@@ -186,7 +189,8 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         assert ready.get(timeout=120) == "joining"
         comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "idle", 2.0, store=store)
         model = Holder(seed=0)
-        sender = BroadcastSender(comm, Manifest.build(WeightSender(model).specs(), 8192, 2), 1.0, ["trainer", "idle"])
+        manifest = Manifest.build(WeightSender(model).specs(), 8192, 2)
+        sender = BroadcastSender(comm, session_of(manifest, timeout_s=1.0), ["trainer", "idle"])
         t0 = time.monotonic()
         sources = [t for _, t in WeightSender(model).named_tensors()]
         with pytest.raises(TransferTimeout) as info:

@@ -26,7 +26,7 @@ from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT  # noqa: E402
 from weightsync import TrainerActor, WeightSync  # noqa: E402
-from weightsync.glue.coordinator import SetupError, SyncError  # noqa: E402
+from weightsync.core.wire.errors import SetupError, SyncError  # noqa: E402
 from weightsync.vllm import EngineCallError, VLLMWorker  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -21,8 +21,10 @@ from typing import Any
 
 from weightsync.compat.packed_tensor import PackedChunk, pack_tensors, unpack_tensor
 from weightsync.core.receiver import WeightReceiver, WorkerState
+from weightsync.core.registry import register as register_transport
 from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
+from weightsync.core.transport.plugin import Mode, Transport
 from weightsync.core.wire import (
     ALLOWED_DTYPES,
     Manifest,
@@ -46,6 +48,8 @@ _RAY_NAMES = {
     "TrainerActor": "weightsync.glue.actors",
     "WorkerActor": "weightsync.glue.actors",
     "TrainerMixin": "weightsync.glue.actors",
+    "TrainerHost": "weightsync.glue.actors",
+    "WorkerHost": "weightsync.glue.actors",
     "WorkerMixin": "weightsync.glue.actors",
     "trainer_ranks": "weightsync.glue.actors",
     "WeightSync": "weightsync.glue.coordinator",
@@ -66,6 +70,7 @@ __all__ = [
     "LoadWeightsSink",
     "Manifest",
     "ModelChangedError",
+    "Mode",
     "ModuleSink",
     "Outcome",
     "PackedChunk",
@@ -77,7 +82,9 @@ __all__ = [
     "SyncSettings",
     "TensorSpec",
     "TrainerActor",
+    "TrainerHost",
     "TrainerMixin",
+    "Transport",
     "VerificationError",
     "VersionError",
     "WeightReceiver",
@@ -85,10 +92,12 @@ __all__ = [
     "WeightSync",
     "WeightSyncError",
     "WorkerActor",
+    "WorkerHost",
     "WorkerMixin",
     "WorkerState",
     "__version__",
     "trainer_ranks",
     "pack_tensors",
+    "register_transport",
     "unpack_tensor",
 ]

@@ -77,8 +77,7 @@ class Listener:
                     continue
                 seq, version, verify, force = posted
                 last = seq
-                call = SyncCall(seq=seq, version=version, verify=verify, force=force, direct=(self.name,))
-                self._serve(replace(call, kinds=("direct",)))
+                self._serve(SyncCall(seq=seq, version=version, verify=verify, force=force))
         except BaseException as exc:  # logged; STOP below tells the trainer at once
             log.error("weightsync: %s's listener ended: %s", self.name, exc, exc_info=exc)
         finally:

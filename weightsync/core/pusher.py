@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from weightsync.core.transport.control import Deadlines
 from weightsync.core.transport.mailbox import ANSWERED, Mailbox
 from weightsync.core.transport.regions import RegionImporter
 from weightsync.core.transport.shm import pid_alive
 from weightsync.core.wire.errors import TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, PushExport, PushResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome, Status, failed, ok
+from weightsync.core.wire.session import Session
 
 
 @dataclass
@@ -46,9 +46,10 @@ class _Box:
 class Pusher:
     """The trainer's mailboxes of the listening workers, and the push sequence."""
 
-    def __init__(self, timeout_s: float, name: str = "trainer") -> None:
-        self.deadlines = Deadlines(timeout_s)
-        self.name = name
+    def __init__(self, session: Session, kind: str) -> None:
+        self.deadlines = session.deadlines
+        self.name = session.party
+        self.kind = kind  # the transport whose halves a push drives
         self._boxes: dict[str, _Box] = {}
         self.seq = 0
         self.broken = False
@@ -66,23 +67,25 @@ class Pusher:
             self._boxes[export.worker] = _Box(export, mailbox, importer)
 
     def push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
-        """Run one sync of ``call.direct`` (its seq is this pusher's); failures come back as data."""
+        """Run one sync of the listening workers ``call.to(kind)`` (all of them when none are
+        named; its seq is this pusher's); failures come back as data."""
         start = time.perf_counter()
         deadline = self.deadlines.follower(time.monotonic())
         if self.broken:
             return PushResult(
                 version=call.version, sent=ok(self.name, "send", SendResult()), workers={}, setup_needed=True
             )
-        unknown = [w for w in call.direct if w not in self._boxes]
-        if unknown or not call.direct:
+        targets = call.to(self.kind) or self.workers
+        unknown = [w for w in targets if w not in self._boxes]
+        if unknown or not targets:
             raise WeightSyncError(
-                f"{self.name}: push to {list(call.direct)}, listening workers are {list(self._boxes)}; "
-                "push mode needs every worker on the direct transport (run setup() after adding one)"
+                f"{self.name}: push to {list(targets)}, listening workers are {list(self._boxes)}; "
+                f"push mode needs every worker on the {self.kind} transport (run setup() after adding one)"
             )
-        call = replace(call, seq=self.seq, kinds=("direct",))
+        call = replace(call, seq=self.seq, targets={self.kind: targets})
         self.seq += 1
         answers: dict[str, PushAnswer] = {}
-        for worker in call.direct:
+        for worker in targets:
             box = self._boxes[worker]
             if not box.mailbox.stopped:
                 box.mailbox.post(call)
@@ -96,10 +99,10 @@ class Pusher:
                 continue
             why = WeightSyncError(f"{worker}: its listener is gone (nobody answers its doorbell); run setup() again")
             answers[worker] = PushAnswer(outcome=failed(worker, "receive", why), version=None, state="unknown")
-        live = tuple(w for w in call.direct if w not in answers)
+        live = tuple(w for w in targets if w not in answers)
         try:
             try:
-                sent = ok(self.name, "send", send(replace(call, direct=live)) if live else SendResult())
+                sent = ok(self.name, "send", send(replace(call, targets={self.kind: live})) if live else SendResult())
             except Exception as exc:  # noqa: BLE001 - travels as data, with the workers' answers
                 sent = failed(self.name, "send", exc)
             for worker in live:

@@ -2,12 +2,15 @@
 
 :class:`WeightReceiver` checks the Manifest, holds the receiving half of the worker's
 transport, and runs the worker's state machine for every transport alike. It imports no
-Ray. One session::
+Ray and names no transport: the plug-ins' setup actions install its half (it is their
+:class:`~weightsync.core.transport.plugin.WorkerSide`). One session::
 
-    receiver.accept(manifest)                      refuses a mismatch, by tensor, before any byte
-    open the transport: open_broadcast / attach_ipc / export_direct + seal_direct
-    per sync: receiver.receive(call)               -> ReceiveResult (commits unless broadcast)
-              receiver.commit(call, sent, got)     broadcast: once the trainer's side is known
+    receiver.accept(manifest, server, timeout_s)   refuses a mismatch, by tensor, before any
+                                                   byte; the receiver's Session starts here
+    the plug-in's worker actions                   -> receiver.install(half)
+    per sync: receiver.receive(call)               -> ReceiveResult (commits at once when the
+                                                      half knows the sender finished)
+              receiver.commit(call, sent, got)     otherwise: once the server's side is known
     after a failed sync: receiver.settle()         -> (version, state)
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -24,14 +26,12 @@ from torch import nn
 from weightsync.core.listener import Listener
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.transport.base import ReceiveHalf, shed_traceback
-from weightsync.core.transport.broadcast import BroadcastReceiver, Communicator
-from weightsync.core.transport.control import Deadlines
-from weightsync.core.transport.direct import DirectTarget
-from weightsync.core.transport.ipc import IpcReceiver
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import DirectExport, IpcExport, PushExport, ReceiveResult, SyncCall
+from weightsync.core.wire.messages import PushExport, ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
+from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
 
 
 class WorkerState(str, enum.Enum):
@@ -53,22 +53,25 @@ class WeightReceiver:
         expect_inplace_bytes: int | None = None,
     ) -> None:
         self.sink: Sink = ModuleSink(sink) if isinstance(sink, nn.Module) else sink
-        self.device = torch.device(device)
+        self._device = torch.device(device)
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
-        self.manifest: Manifest | None = None
+        self._session: Session | None = None
         self.version: int | None = None
         self.state = WorkerState.COMMITTED
-        self.half: ReceiveHalf | None = None
+        self.active_half: ReceiveHalf | None = None
         self._closed_imports = [0, 0]
         #: Held while a sync writes this worker's weights from a listener thread (push
         #: mode), and by code reading them; see :meth:`reading`.
         self.gate = threading.RLock()
         self.listener: Listener | None = None
-        self._timeout_s = 60.0
 
-    def accept(self, manifest: Manifest) -> None:
-        """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing."""
+    def accept(self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing.
+
+        Starts this set-up's Session: ``server`` is the trainer party that feeds this
+        worker (named when it fails), ``timeout_s`` bounds every wait.
+        """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
         manifest.validate()
@@ -76,13 +79,23 @@ class WeightReceiver:
         local = self.sink.local_specs()
         if local is not None:
             manifest.check_against(local, self.name)
+        session = Session(manifest=manifest, party=self.name, server=server, timeout_s=timeout_s)
         self.close_transports()
-        self.manifest = manifest
+        self._session = session
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise WeightSyncError(f"{self.name}: no manifest accepted yet; run setup()")
+        return self._session
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The accepted Manifest, or None before the first setup."""
+        return self._session.manifest if self._session is not None else None
 
     def _manifest(self) -> Manifest:
-        if self.manifest is None:
-            raise WeightSyncError(f"{self.name}: no manifest accepted yet; run setup()")
-        return self.manifest
+        return self.session.manifest
 
     # the state machine ----------------------------------------------------------------
     #
@@ -100,7 +113,7 @@ class WeightReceiver:
     def receive(self, call: SyncCall) -> ReceiveResult:
         """This worker's side of sync ``call``: check, take the bytes, commit (not broadcast)."""
         start = time.perf_counter()
-        half = self.half
+        half = self.active_half
         if half is None:
             raise WeightSyncError(f"{self.name}: no transport is open; run setup()")
         failure: BaseException | None = None
@@ -125,6 +138,7 @@ class WeightReceiver:
             checksums=checksums,
             seconds=time.perf_counter() - start,
             stale=stale,
+            transport=half.kind,
         )
 
     def commit(self, call: SyncCall, sent: Outcome, received: Outcome) -> ReceiveResult:
@@ -133,14 +147,13 @@ class WeightReceiver:
         chunk's checksum matches the trainer's."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
+        server = self.session.server
         if not sent.ok:
             self._fail()
-            raise PeerAborted(
-                f"{self.name}: the trainer's side failed; version {call.version} not taken", blames=["trainer"]
-            )
+            raise PeerAborted(f"{self.name}: {server}'s side failed; version {call.version} not taken", blames=[server])
         got: ReceiveResult = received.value
         if call.verify:
-            expected = sent.value.checksums.get("broadcast", [])
+            expected = sent.value.checksums.get(got.transport, [])
             bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
             if bad or len(got.checksums) != len(expected):
                 self._fail()
@@ -183,51 +196,30 @@ class WeightReceiver:
         """Per tensor, the checksum of what this worker holds (module sinks) or last received."""
         return self.sink.checksums(self._manifest())
 
-    # transports -------------------------------------------------------------------------
-    def open_broadcast(self, comm: Communicator, members: Sequence[str], timeout_s: float) -> None:
-        self.close_transports()
-        self.half = BroadcastReceiver(comm, self._manifest(), timeout_s, members)
-
-    def attach_ipc(self, export: IpcExport, consumer_index: int, timeout_s: float) -> None:
-        self.close_transports()
-        ipc = IpcReceiver(self._manifest(), self.device, timeout_s, self.name)
-        ipc.attach(export, consumer_index)
-        self.half = ipc
-
+    # transports (the plug-ins' WorkerSide) ---------------------------------------------
     @property
-    def ipc(self) -> IpcReceiver | None:
-        return self.half if isinstance(self.half, IpcReceiver) else None
+    def device(self) -> torch.device:
+        return self._device
 
-    @property
-    def direct(self) -> DirectTarget | None:
-        return self.half if isinstance(self.half, DirectTarget) else None
+    @device.setter
+    def device(self, device: torch.device | str) -> None:
+        self._device = torch.device(device)
 
-    def export_direct(self, timeout_s: float) -> DirectExport:
-        manifest = self._manifest()
-        tensors = self.sink.direct_tensors(manifest)
-        if tensors is None:
-            raise WeightSyncError(
-                f"{self.name}: its sink ({type(self.sink).__name__}) transforms tensors on load "
-                "and cannot take direct writes; use transport='ipc' for this worker"
-            )
-        with self.gate:
-            target = self.direct
-            if target is None:
-                self.close_transports()
-                target = DirectTarget(manifest, self.device, self.name, timeout_s)
-                self.half = target
-            return target.export(tensors, self.sink.rebind)
+    def half(self, kind: str) -> ReceiveHalf | None:
+        return self.active_half if self.active_half is not None and self.active_half.kind == kind else None
 
-    def listen(self, timeout_s: float) -> PushExport:
-        """Push mode: start the listener that runs this direct worker's receive when the
-        trainer rings (no Ray call per sync); returns what the trainer attaches."""
-        if self.direct is None:
-            raise WeightSyncError(
-                f"{self.name}: push mode needs the direct transport, this worker has "
-                f"{self.half.kind if self.half is not None else 'none'}; use transport='direct' or push=False"
-            )
+    def install(self, half: ReceiveHalf) -> None:
+        """Make ``half`` this worker's transport (a worker has one), closing the one it had."""
+        if self.active_half is not half:
+            self.close_transports()
+        self.active_half = half
+
+    def listen(self) -> PushExport:
+        """Push mode: start the listener that runs this worker's receive when its server
+        rings (no Ray call per sync); returns what the server attaches."""
+        if self.active_half is None:
+            raise WeightSyncError(f"{self.name}: push mode needs an open transport to listen on; run setup()")
         self._stop_listener()
-        self._timeout_s = timeout_s
         self.listener = Listener(self.name, self.device, self.receive, self.status, self.gate)
         return self.listener.export()
 
@@ -245,27 +237,28 @@ class WeightReceiver:
         if listener is None:
             return True
         listener.stop()
-        if listener.busy and self.half is not None:
-            self.half.abort()  # a sync in flight stops at once instead of at its deadline
-        return listener.close(Deadlines(self._timeout_s).coordinator_s)
+        if listener.busy and self.active_half is not None:
+            self.active_half.abort()  # a sync in flight stops at once instead of at its deadline
+        timeout_s = self._session.timeout_s if self._session is not None else DEFAULT_TIMEOUT_S
+        return listener.close(Deadlines(timeout_s).coordinator_s)
 
     def ipc_import_counts(self) -> tuple[int, int]:
         """(mappings made, mappings released) by this worker's IPC importers, all sessions."""
         maps, releases = self._closed_imports
-        ipc = self.ipc
-        if ipc is not None:
-            maps, releases = maps + ipc.importer.maps, releases + ipc.importer.releases
+        if self.active_half is not None:
+            made, released = self.active_half.mappings()
+            maps, releases = maps + made, releases + released
         return maps, releases
 
     def close_transports(self, abort: bool = False) -> None:
         if not self._stop_listener():
             # Its thread still runs inside receive(): leave it the mappings it reads.
-            self.half = None
+            self.active_half = None
             return
-        half, self.half = self.half, None
+        half, self.active_half = self.active_half, None
         if half is None:
             return
         half.close(abort)
-        if isinstance(half, IpcReceiver):
-            self._closed_imports[0] += half.importer.maps
-            self._closed_imports[1] += half.importer.releases
+        made, released = half.mappings()
+        self._closed_imports[0] += made
+        self._closed_imports[1] += released

@@ -1,11 +1,14 @@
 """The trainer's endpoint: which tensors travel, under which names and wire dtypes.
 
 :class:`WeightSender` holds the model side of a transfer and the sending halves of the
-transports opened for it. It imports no Ray: the actors wrap it, and any process layout can
-drive it. One session, as the coordinator runs it::
+transports opened for it. It imports no Ray and names no transport: the actors wrap it, any
+process layout can drive it, and the plug-ins' setup actions install its halves (it is
+their :class:`~weightsync.core.transport.plugin.TrainerSide`). One session, as the
+coordinator runs it::
 
-    sender.manifest(settings)            -> Manifest (rebuilt from the model at every setup)
-    open the transports: open_broadcast / export_ipc + seal_ipc / map_direct
+    sender.manifest(settings)            -> Manifest (rebuilt from the model at every setup;
+                                            the sender's Session starts here)
+    each plug-in's trainer actions       -> sender.install(half)
     per sync: sender.send(call)          -> SendResult, alongside every worker's receive
     sender.close_transports(abort)
 """
@@ -14,27 +17,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
+from weightsync.core import registry
 from weightsync.core.packing import tensor_checksums
 from weightsync.core.sinks import TensorPaths, module_tensors
 from weightsync.core.transport.base import SendHalf, Sources, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
-from weightsync.core.transport.broadcast import BroadcastSender, Communicator
-from weightsync.core.transport.control import Deadlines
-from weightsync.core.transport.direct import DirectWriter
-from weightsync.core.transport.ipc import IpcSender
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
-from weightsync.core.wire.messages import DirectExport, IpcExport, SendResult, SyncCall
+from weightsync.core.wire.messages import SendResult, SyncCall
+from weightsync.core.wire.session import TRAINER_PARTY, Session
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints, free_memory_bytes, resolve_buffer_bytes
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
-ORDER = ("direct", "ipc", "broadcast")
 
 
 def _known(free: int | None) -> tuple[int, ...]:
@@ -55,16 +56,17 @@ class WeightSender:
     source: Callable[[], Sequence[tuple[str, torch.Tensor]]] | None = None
     wire_dtype: torch.dtype | None = None
     transform: Transform | None = None
-    name: str = "trainer"
+    name: str = TRAINER_PARTY
 
     def __post_init__(self) -> None:
         if self.model is None and self.source is None:
             raise ValueError("WeightSender needs a model or a source callable")
-        self._manifest: Manifest | None = None
+        self._session: Session | None = None
         self.halves: dict[str, SendHalf] = {}
+        #: What one setup step of a plug-in leaves for a later one (see TrainerSide.extras).
+        self.extras: dict[str, Any] = {}
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
         self._checked_key: PlanKey | None = None  # their layout when last checked
-        self._timeout_s = SyncSettings().timeout_s  # the session's, set with the manifest
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -86,23 +88,25 @@ class WeightSender:
         self.close_transports()
         self._paths = None
         self._checked_key = None
-        self._timeout_s = settings.timeout_s
         specs = self.specs()
         if hints is None:
             hints = BufferHints(device=self.device.type, free_bytes=_known(free_memory_bytes(self.device)))
         buffer_bytes = resolve_buffer_bytes(
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
-        self._manifest = Manifest.build(
-            specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes
-        )
-        return self._manifest
+        manifest = Manifest.build(specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes)
+        self._session = Session(manifest=manifest, party=self.name, server=self.name, timeout_s=settings.timeout_s)
+        return manifest
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise WeightSyncError(f"{self.name}: no manifest yet; run setup()")
+        return self._session
 
     @property
     def current_manifest(self) -> Manifest:
-        if self._manifest is None:
-            raise WeightSyncError(f"{self.name}: no manifest yet; run setup()")
-        return self._manifest
+        return self.session.manifest
 
     def checked_sources(self) -> Sources:
         """This sync's tensors in manifest order and their :func:`plan_key`; refuses, naming
@@ -172,7 +176,7 @@ class WeightSender:
 
     # one sync ---------------------------------------------------------------------------
     def send(self, call: SyncCall) -> SendResult:
-        """The trainer's side of one sync: direct writes, then IPC, then the broadcast.
+        """The trainer's side of one sync: each transport of ``call.targets`` in turn.
 
         Any failure is told to every peer of every transport at once (abort words, the
         broadcast agreement or a group abort) before it is raised.
@@ -180,7 +184,8 @@ class WeightSender:
         start = time.perf_counter()
         # One deadline for the whole call, whichever transports it drives: the workers'
         # and the coordinator's deadlines are counted from the same moment.
-        deadline = Deadlines(self._timeout_s).leader(time.monotonic())
+        deadline = self.session.deadlines.leader(time.monotonic())
+        call = self.resolve(call)
         failure: BaseException | None = None
         try:
             checksums, stale = self.drive(self.checked_sources(), call, deadline)
@@ -192,50 +197,51 @@ class WeightSender:
         return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
-        """Run this sync's halves over ``sources`` in :data:`ORDER`; (checksums per kind, stale workers)."""
+        """Run this sync's halves over ``sources`` in the order of ``call.targets``;
+        (checksums per transport, stale workers)."""
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
-        for kind in ORDER:
-            half = self.halves.get(kind)
-            if half is None or kind not in call.kinds:
-                continue
-            checksums[kind], found = half.send(sources, call, deadline)
+        for kind in call.kinds:
+            checksums[kind], found = self.open_half(kind).send(sources, call, deadline)
             stale += found
         return checksums, stale
 
+    def resolve(self, call: SyncCall) -> SyncCall:
+        """``call`` with its targets given: a call without them drives every open half, with
+        all its peers, in the registry's send order."""
+        if call.targets is not None:
+            return call
+        order = {t.name: t.send_order for t in registry.transports()}
+        kinds = sorted(self.halves, key=lambda k: order.get(k, 1 << 30))
+        return replace(call, targets={kind: self.halves[kind].peers for kind in kinds})
+
+    def walks(self, call: SyncCall) -> int:
+        """The passes over the tensors this sync's halves make (see weightsync.core.sharded)."""
+        return sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+
     def abort_halves(self, call: SyncCall) -> None:
         """Tell every peer of this sync's transports that this side failed."""
-        for kind in ORDER:
-            if kind in call.kinds and kind in self.halves:
-                self.halves[kind].abort()
+        for kind in call.kinds:
+            half = self.halves.get(kind)
+            if half is not None:
+                half.abort()
 
-    # transports -------------------------------------------------------------------------
-    def open_broadcast(self, comm: Communicator, members: Sequence[str], timeout_s: float) -> None:
-        self._close("broadcast")
-        self.halves["broadcast"] = BroadcastSender(comm, self.current_manifest, timeout_s, members)
+    # transports (the plug-ins' TrainerSide) ---------------------------------------------
+    def half(self, kind: str) -> SendHalf | None:
+        return self.halves.get(kind)
 
-    def export_ipc(self, consumer_names: Sequence[str], timeout_s: float) -> IpcExport:
-        self._close("ipc")
-        ipc = IpcSender(self.current_manifest, self.device, timeout_s, self.name)
-        self.halves["ipc"] = ipc
-        return ipc.export(consumer_names)
+    def open_half(self, kind: str) -> SendHalf:
+        half = self.halves.get(kind)
+        if half is None:
+            raise WeightSyncError(
+                f"{self.name}: asked to drive the {kind!r} transport, which is not open on this party; run setup()"
+            )
+        return half
 
-    @property
-    def ipc(self) -> IpcSender | None:
-        half = self.halves.get("ipc")
-        return half if isinstance(half, IpcSender) else None
-
-    @property
-    def direct(self) -> DirectWriter | None:
-        half = self.halves.get("direct")
-        return half if isinstance(half, DirectWriter) else None
-
-    def map_direct(self, export: DirectExport, timeout_s: float) -> None:
-        writer = self.direct
-        if writer is None:
-            writer = DirectWriter(self.current_manifest, self.device, timeout_s, self.name)
-            self.halves["direct"] = writer
-        writer.map(export)
+    def install(self, half: SendHalf) -> None:
+        """Make ``half`` this party's half of its transport, closing the one it replaces."""
+        self._close(half.kind)
+        self.halves[half.kind] = half
 
     def _close(self, kind: str, abort: bool = False) -> None:
         half = self.halves.pop(kind, None)
@@ -245,3 +251,8 @@ class WeightSender:
     def close_transports(self, abort: bool = False) -> None:
         for kind in list(self.halves):
             self._close(kind, abort)
+        extras, self.extras = self.extras, {}
+        for extra in extras.values():
+            close = getattr(extra, "close", None)
+            if callable(close):
+                close()

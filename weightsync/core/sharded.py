@@ -20,8 +20,9 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
                     (gather, drop) up to W, also after a failure of its own halves, so no
                     peer is left inside a gather
 
-A walk a half needs is one pass in manifest order: broadcast and ipc one each, direct one
-per direct worker written (plus one for its checksums when verifying).
+A walk a half needs is one pass in manifest order; each half says how many it makes
+(``SendHalf.walks``): broadcast and ipc one each, direct one per direct worker written
+(plus one for its checksums when verifying).
 
 Waits: the agreement and the common gathers (``Shard(0)`` on a 1-D mesh, as FSDP2 lays
 out, and ``Replicate``) are issued as async collectives and waited with the sync's
@@ -48,9 +49,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weightsync.core.packing import read_checksums, word_sum
-from weightsync.core.sender import ORDER, WeightSender
+from weightsync.core.sender import WeightSender
 from weightsync.core.transport.base import Sources, shed_traceback
-from weightsync.core.transport.control import Deadlines
 from weightsync.core.wire.errors import (
     ModelChangedError,
     PeerAborted,
@@ -312,7 +312,7 @@ class ShardedSender(WeightSender):
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
         manifest = super().manifest(settings, hints)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
-        self._buckets = plan_buckets(sizes, manifest.buffer_bytes)
+        self._buckets = plan_buckets(sizes, manifest.agreed.buffer_bytes)
         return manifest
 
     def checked_sources(self) -> Sources:
@@ -326,14 +326,6 @@ class ShardedSender(WeightSender):
                 "run WeightSync.setup() again once every worker holds the same model"
             )
         return Sources([t for _, t in pairs], None)
-
-    def walks_for(self, call: SyncCall) -> int:
-        """The passes over the tensors this rank's halves make in ``call`` (see the module doc)."""
-        count = 0
-        for kind in ORDER:
-            if kind in self.halves and kind in call.kinds:
-                count += len(call.direct) + int(call.verify) if kind == "direct" else 1
-        return count
 
     def _agree(self, walks: int, refused: bool, wait: _Wait) -> int:
         """Every rank's [walks, refused] reduced with MAX; raises if another rank refused."""
@@ -352,7 +344,7 @@ class ShardedSender(WeightSender):
         return agreed
 
     def _walk(self, sources: Sources, walks: int, start: float) -> GatheredTensors:
-        wait = _Wait(Deadlines(self._timeout_s).follower(start), self.name, self.peers)
+        wait = _Wait(self.session.deadlines.follower(start), self.name, self.peers)
         agreed = self._agree(walks, False, wait)
         gathered = GatheredTensors(sources.tensors, self._buckets, agreed, wait, self.on_bucket)
         self.last_walk = gathered
@@ -362,7 +354,8 @@ class ShardedSender(WeightSender):
         """This rank's side of one sync; every rank of the trainer runs it at the same time."""
         began = time.monotonic()
         start = time.perf_counter()
-        deadline = Deadlines(self._timeout_s).leader(began)
+        deadline = self.session.deadlines.leader(began)
+        call = self.resolve(call)
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
         failure: BaseException | None = None
@@ -371,9 +364,9 @@ class ShardedSender(WeightSender):
             try:
                 sources = self.checked_sources()
             except ModelChangedError:
-                self._agree(0, True, _Wait(Deadlines(self._timeout_s).follower(began), self.name, self.peers))
+                self._agree(0, True, _Wait(self.session.deadlines.follower(began), self.name, self.peers))
                 raise
-            gathered = self._walk(sources, self.walks_for(call), began)
+            gathered = self._walk(sources, self.walks(call), began)
             checksums, stale = self.drive(Sources(gathered, None, streamed=True), call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)

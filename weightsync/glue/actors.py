@@ -44,6 +44,8 @@ from weightsync.glue.worker_mixin import WORKER_PROTOCOL, WorkerMixin, forward_w
 __all__ = [
     "WORKER_PROTOCOL",
     "TrainerActor",
+    "TrainerHost",
+    "WorkerHost",
     "TrainerMixin",
     "WorkerActor",
     "WorkerMixin",
@@ -79,8 +81,9 @@ class _ModelHost:
         return os.getpid()
 
 
-class _Trainer(_ModelHost, TrainerMixin):
-    """Holds the policy being trained. ``wire_dtype`` (e.g. torch.bfloat16) casts floating
+class TrainerHost(_ModelHost, TrainerMixin):
+    """The class behind :data:`TrainerActor` (subclass it, then ``ray.remote``, to add
+    methods). Holds the policy being trained. ``wire_dtype`` (e.g. torch.bfloat16) casts floating
     tensors on the wire; ``rank`` makes it one rank of a sharded trainer (see the module doc)."""
 
     def __init__(
@@ -96,8 +99,9 @@ class _Trainer(_ModelHost, TrainerMixin):
         self.wire_dtype = wire_dtype
 
 
-class _Worker(_ModelHost, WorkerMixin):
-    """Holds an inference copy. ``sink="load_weights"`` loads through the model's
+class WorkerHost(_ModelHost, WorkerMixin):
+    """The class behind :data:`WorkerActor` (subclass it, then ``ray.remote``, to add
+    methods). Holds an inference copy. ``sink="load_weights"`` loads through the model's
     ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` pin the buffer
     settings this worker accepts."""
 
@@ -132,8 +136,8 @@ class _Worker(_ModelHost, WorkerMixin):
 
 
 # Typed as Any: Ray's stubs do not follow ``.options(...).remote(...)`` to actor handles.
-TrainerActor: Any = ray.remote(_Trainer)
-WorkerActor: Any = ray.remote(_Worker)
+TrainerActor: Any = ray.remote(TrainerHost)
+WorkerActor: Any = ray.remote(WorkerHost)
 
 
 def trainer_ranks(

@@ -1,23 +1,20 @@
-"""The glue every ``ws_*`` method shares: failures turned into outcomes, the device, the
-endpoint's description, and the broadcast communicator a group spec asks for.
+"""The glue every ``ws_*`` method shares: failures turned into outcomes, the device, and the
+endpoint's description.
 
 Used by :mod:`weightsync.glue.trainer_mixin` and :mod:`weightsync.glue.worker_mixin`.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 
-from weightsync.core.transport.gloo import GlooCommunicator
-from weightsync.core.wire.messages import EndpointInfo, GroupSpec
+from weightsync.core.placement import describe_here
+from weightsync.core.wire.messages import EndpointInfo
 from weightsync.core.wire.outcome import Outcome, failed, ok
-from weightsync.core.wire.sizing import free_memory_bytes
 
 
 def answer(party: str, phase: str, fn: Callable[..., Any], *args: Any) -> Outcome:
@@ -38,37 +35,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
     # An engine's worker process outside Ray (driven by an actor that forwards to it) has
     # no Ray node id; the coordinator then compares host names.
-    in_ray = ray.is_initialized()
-    uuid = None
-    if device.type == "cuda":
-        from weightsync.core.transport.cuda_ipc import gpu_uuid
-
-        uuid = gpu_uuid(device.index or 0)
-    return EndpointInfo(
-        node_id=ray.get_runtime_context().get_node_id() if in_ray else "",
-        node_ip=ray.util.get_node_ip_address() if in_ray else socket.gethostbyname(socket.gethostname()),
-        hostname=socket.gethostname(),
-        pid=os.getpid(),
-        device=device.type,
-        gpu_uuid=uuid,
-        sink_allows_direct=allows_direct,
-        free_bytes=free_memory_bytes(device),
-    )
-
-
-def communicator(spec: GroupSpec, device: torch.device, members: Sequence[str], store: Any = None) -> Any:
-    if spec.backend == "nccl":
-        from weightsync.core.transport.nccl import NcclCommunicator
-
-        assert spec.nccl_id is not None
-        return NcclCommunicator(spec.nccl_id, spec.rank, spec.world_size, device, spec.timeout_s, members)
-    return GlooCommunicator(
-        spec.store_host,
-        spec.store_port,
-        spec.rank,
-        spec.world_size,
-        spec.name,
-        spec.timeout_s,
-        bind_host=spec.store_host,
-        store=store,
+    if not ray.is_initialized():
+        return describe_here(device, allows_direct)
+    return describe_here(
+        device,
+        allows_direct,
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
     )

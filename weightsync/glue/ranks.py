@@ -2,9 +2,10 @@
 
 ``WeightSync(trainer=[rank0, rank1, ...])`` takes the ranks of one sharded trainer in rank
 order; a single handle is a trainer of one process (party ``"trainer"``, as before). Ranks
-are parties named ``trainer-rank-<i>``. Rank 0 builds the broadcast group and serves every
-broadcast worker; a colocated worker (ipc, direct) is served by one rank, the one it shares
-a device with:
+are parties named ``trainer-rank-<i>``. Rank 0 serves every worker of a transport served by
+the lead (``Serving.LEAD``: broadcast, whose group rank 0 forms); a worker of a colocated
+transport (``Serving.NEAREST``: ipc, direct) is served by one rank, the one it shares a
+device with:
 
 - ``worker_ranks={"worker-0": 1, ...}`` names it explicitly;
 - by default, the lowest rank on the worker's device (its GPU; on CPU, its node), and
@@ -21,22 +22,26 @@ group (``TrainerActor.remote(factory, rank=spec)`` sets the usual ``MASTER_ADDR`
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from weightsync.core.choice import choose_transport, same_device
+from weightsync.core import registry
+from weightsync.core.choice import choose_transport
+from weightsync.core.placement import same_device
+from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome, failed
+from weightsync.core.wire.session import TRAINER_PARTY
 
 RANK_PREFIX = "trainer-rank-"
 
 
 def reserved(name: str) -> bool:
     """True for the names of trainer parties, which no worker may take."""
-    return name == "trainer" or name.startswith(RANK_PREFIX)
+    return name == TRAINER_PARTY or name.startswith(RANK_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class TrainerRanks:
             self.handles = list(trainer)
             self.names = [f"{RANK_PREFIX}{i}" for i in range(len(self.handles))]
         else:
-            self.handles, self.names = [trainer], ["trainer"]
+            self.handles, self.names = [trainer], [TRAINER_PARTY]
         ids = [identity(h) for h in self.handles]
         for i, ident in enumerate(ids):
             if ident in ids[:i]:
@@ -123,17 +128,19 @@ class TrainerRanks:
         explicit: Mapping[str, int],
     ) -> tuple[int, str]:
         """The rank serving ``worker`` (see the module doc) and its transport, chosen against
-        that rank; a worker mapped to a rank other than 0 that would need a broadcast is refused."""
+        that rank; a worker mapped to a rank other than 0 whose transport only the lead
+        serves is refused."""
         if worker in explicit:
             rank = explicit[worker]
         else:
             near = [r for r, rank_info in enumerate(infos) if same_device(rank_info, info)]
-            rank = near[0] if near and requested != "broadcast" else 0
+            lead_only = requested != "auto" and registry.get(requested).serving is Serving.LEAD
+            rank = near[0] if near and not lead_only else 0
         transport = choose_transport(infos[rank], info, requested, worker)
-        if transport == "broadcast" and rank != 0:
+        if registry.get(transport).serving is Serving.LEAD and rank != 0:
             raise SettingsError(
-                f"{worker}: mapped to {self.names[rank]} by worker_ranks, but it needs a broadcast (it is not "
-                f"colocated with that rank, or asked for one), which only {self.lead} serves; map it to rank 0 "
+                f"{worker}: mapped to {self.names[rank]} by worker_ranks, but it needs transport {transport!r} (it "
+                f"is not colocated with that rank, or asked for it), which only {self.lead} serves; map it to rank 0 "
                 f"or place it with {self.names[rank]}"
             )
         return rank, transport
@@ -186,15 +193,12 @@ class TrainerRanks:
         return out
 
     @staticmethod
-    def call_for(call: SyncCall, mine: Mapping[str, str]) -> SyncCall:
-        """``call`` for a rank serving ``mine`` (worker name -> transport) in this round."""
-        kinds = tuple(k for k in call.kinds if k in mine.values())
-        direct = tuple(n for n in call.direct if n in mine)
-        if not direct:
-            kinds = tuple(k for k in kinds if k != "direct")
-        return SyncCall(
-            seq=call.seq, version=call.version, verify=call.verify, force=call.force, direct=direct, kinds=kinds
-        )
+    def call_for(call: SyncCall, mine: Iterable[str]) -> SyncCall:
+        """``call`` for a rank serving the workers ``mine`` in this round: only the transports
+        and workers it drives."""
+        served = set(mine)
+        targets = {kind: tuple(w for w in workers if w in served) for kind, workers in (call.targets or {}).items()}
+        return replace(call, targets={kind: workers for kind, workers in targets.items() if workers})
 
 
 def identity(handle: Any) -> object:

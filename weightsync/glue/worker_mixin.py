@@ -3,15 +3,15 @@
 Mix :class:`WorkerMixin` into a Ray actor that holds ``self.model`` (or overrides
 ``weightsync_model()``), or forward the protocol to the processes that hold the model
 (:func:`forward_worker_protocol`). Call order per session: ws_describe -> ws_accept ->
-the transport's steps (ws_join_broadcast, ws_attach_ipc, ws_export_direct/ws_seal_direct,
-ws_listen/ws_seal_listen) -> per sync ws_receive (and ws_commit for broadcast), ws_settle
-after a failure -> ws_teardown.
+ws_open, once per step of its transport plug-in's setup -> per sync ws_receive (and
+ws_commit, when the transport's worker cannot tell that the sender finished), ws_settle
+after a failure -> ws_teardown. No method names a transport.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,14 +19,13 @@ from torch import nn
 
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
+from weightsync.core.transport.plugin import Plugin
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import (
-    GroupSpec,
-    IpcExport,
-    SyncCall,
-)
+from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.outcome import Outcome
-from weightsync.glue.protocol import answer, communicator, describe, resolve_device
+from weightsync.core.wire.session import TRAINER_PARTY
+from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
+from weightsync.glue.protocol import answer, describe, resolve_device
 
 
 class WorkerMixin:
@@ -64,36 +63,22 @@ class WorkerMixin:
         sink = getattr(self, "weightsync_sink", None)
         return answer(self._me(), "describe", describe, self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
 
-    def ws_accept(self, manifest: Manifest, name: str) -> Outcome:
+    def ws_accept(
+        self, manifest: Manifest, name: str, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> Outcome:
+        """Check the trainer's manifest and start this worker's Session as ``name``, fed by
+        ``server`` (the trainer party named when it fails)."""
+
         def accept() -> None:
             receiver = self._wr()
             receiver.name = name
-            receiver.accept(manifest)
+            receiver.accept(manifest, server, timeout_s)
 
         return answer(name, "accept", accept)
 
-    def ws_join_broadcast(self, spec: GroupSpec, members: Sequence[str]) -> Outcome:
-        def join() -> None:
-            self._wr().open_broadcast(communicator(spec, self.weightsync_device(), members), members, spec.timeout_s)
-
-        return answer(self._me(), "join", join)
-
-    def ws_attach_ipc(self, export: IpcExport, index: int, timeout_s: float) -> Outcome:
-        return answer(self._me(), "attach", self._wr().attach_ipc, export, index, timeout_s)
-
-    def ws_export_direct(self, timeout_s: float) -> Outcome:
-        return answer(self._me(), "export", self._wr().export_direct, timeout_s)
-
-    def ws_seal_direct(self) -> Outcome:
-        target = self._wr().direct
-        return answer(self._me(), "seal", target.seal if target is not None else lambda: None)
-
-    def ws_listen(self, timeout_s: float) -> Outcome:
-        """Push mode: start this direct worker's listener; the trainer attaches its mailbox."""
-        return answer(self._me(), "listen", self._wr().listen, timeout_s)
-
-    def ws_seal_listen(self) -> Outcome:
-        return answer(self._me(), "seal", self._wr().seal_listen)
+    def ws_open(self, plugin: Plugin, action: str, *args: Any) -> Outcome:
+        """One step of ``plugin``'s setup on this worker: its worker action ``action``."""
+        return answer(self._me(), f"{plugin.name} {action}", lambda: plugin.action("worker", action)(self._wr(), *args))
 
     @contextlib.contextmanager
     def weightsync_reading(self) -> Iterator[None]:

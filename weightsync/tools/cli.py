@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from collections.abc import Sequence
@@ -12,6 +11,9 @@ from typing import Any
 
 import torch
 
+from weightsync.core import registry
+from weightsync.core.choice import requests
+from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
 from weightsync.tools.cli_types import mib, positive_int
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
@@ -43,7 +45,7 @@ def demo(args: argparse.Namespace) -> int:
     if args.device == "cuda" and gpus < 1:
         _print("error: --device cuda but the Ray cluster has no GPU; run with --device cpu")
         return 2
-    colocated = args.transport in ("auto", "ipc", "direct") or gpus < 2
+    colocated = args.transport == "auto" or registry.get(args.transport).serving is Serving.NEAREST or gpus < 2
     parties = args.workers + 1
     trainer = TrainerActor.options(**_actor_options(args.device, colocated, parties)).remote(
         PolicyFactory(args.size, seed=0, device="cpu"), device=args.device
@@ -68,7 +70,7 @@ def demo(args: argparse.Namespace) -> int:
         manifest = ws.setup()
         _print(
             f"model: {args.size} policy, {len(manifest.specs)} tensors, {manifest.total_bytes / 1e6:.1f} MB; "
-            f"buffers: {manifest.num_buffers} x {manifest.buffer_bytes / 2**20:.0f} MiB, {len(manifest.chunks)} chunk(s)"
+            f"buffers: {manifest.agreed.num_buffers} x {manifest.agreed.buffer_bytes / 2**20:.0f} MiB, {len(manifest.chunks)} chunk(s)"
         )
         _print("transports: " + ", ".join(f"{n}={t}" for n, t in ws.transports().items()))
         _print(f"{'step':>4} {'loss':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}  {'workers (transport@version)':<40} check")
@@ -119,7 +121,6 @@ def doctor(args: argparse.Namespace) -> int:
     except ImportError as exc:
         _print(f"ray: not importable ({exc}); pip install ray")
         return 1
-    nccl_reason = ""
     try:
         import cupy
 
@@ -127,25 +128,16 @@ def doctor(args: argparse.Namespace) -> int:
 
         version = nccl_version()
         _print(f"cupy {cupy.__version__}; NCCL {version or 'not loadable'}")
-        if version is None:
-            nccl_reason = "CuPy cannot load NCCL: pip install nvidia-nccl-cu12 (or -cu13)"
     except ImportError:
         _print("cupy: not installed (GPU broadcast needs weightsync[cuda12] or [cuda13])")
-        nccl_reason = "CuPy is not installed"
     from weightsync.core.transport.shm import SHM_DIR, leftover_segments
 
-    shm_ok = os.access(SHM_DIR, os.W_OK)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    rows = [
-        ("broadcast (gloo, CPU)", True, ""),
-        ("ipc (shared memory, CPU)", shm_ok, f"{SHM_DIR} is not writable"),
-        ("direct (shared memory, CPU)", shm_ok, f"{SHM_DIR} is not writable"),
-        ("ipc / direct (CUDA IPC)", gpus >= 1, "no GPU visible"),
-        ("broadcast (NCCL)", gpus >= 1 and not nccl_reason, nccl_reason or "no GPU visible"),
-    ]
     _print("transports:")
-    for name, usable, why in rows:
-        _print(f"  {name:<30} {'usable' if usable else 'unusable: ' + why}")
+    for transport in registry.transports():
+        rows = transport.usable_here() if transport.usable_here is not None else [(transport.name, None)]
+        for label, why in rows:
+            _print(f"  {label:<30} {'usable' if why is None else 'unusable: ' + why}")
     if gpus == 1:
         _print("  note: NCCL between trainer and workers needs them on different GPUs; one GPU means ipc/direct")
     leftovers = leftover_segments()
@@ -167,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small policy and sync it to workers after every step")
     d.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     d.add_argument("--workers", type=positive_int, default=2)
-    d.add_argument("--transport", default="auto", choices=["auto", "broadcast", "ipc", "direct"])
+    d.add_argument("--transport", default="auto", choices=requests())
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
     d.add_argument("--size", default="30mb", choices=list(SIZES))

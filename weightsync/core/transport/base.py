@@ -2,10 +2,10 @@
 
 Each transport has two halves, one per side, with the same lifecycle::
 
-    setup   the transport's own steps, driven by the coordinator (form a group; export
-            and attach slots; export and map a worker's tensors), after which the half
-            below exists on each side
-    sync    SendHalf.send(sources, call)                 on the trainer
+    setup   the plug-in's steps (:mod:`weightsync.core.transport.plugin`), driven by the
+            coordinator (form a group; export and attach slots; export and map a worker's
+            tensors), which build the halves below from each party's Session
+    sync    SendHalf.send(sources, call, deadline)       on the trainer
             ReceiveHalf.receive(sink, call, begin)       on each worker, at the same time
     failure abort(): tell every peer of this transport at once (abort word, group abort)
     end     close(): release groups, mappings and regions
@@ -80,8 +80,19 @@ class SendHalf(abc.ABC):
 
     @abc.abstractmethod
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
-        """Move ``sources`` to every peer of this transport by ``deadline`` (one for the
-        trainer's whole sync, whatever it drives); returns (checksums, stale peers)."""
+        """Move ``sources`` to this sync's peers of this transport (``call.targets[kind]``)
+        by ``deadline`` (one for the trainer's whole sync, whatever it drives); returns
+        (checksums, stale peers)."""
+
+    @property
+    @abc.abstractmethod
+    def peers(self) -> tuple[str, ...]:
+        """Every worker this half can reach in this session (what a call without targets drives)."""
+
+    def walks(self, targets: Sequence[str], verify: bool) -> int:
+        """How many passes in manifest order over ``sources.tensors`` :meth:`send` makes for
+        ``targets`` (a sharded source gathers that many times, see weightsync.core.sharded)."""
+        return 1
 
     @abc.abstractmethod
     def abort(self) -> None:
@@ -100,6 +111,10 @@ class ReceiveHalf(abc.ABC):
     #: colocated transports see it on the control block), so the worker may commit at once.
     #: A broadcast receiver cannot tell, and commits in a later call.
     knows_sender_finished: ClassVar[bool]
+
+    def mappings(self) -> tuple[int, int]:
+        """(mappings made, mappings released) of other processes' exports by this half."""
+        return 0, 0
 
     @abc.abstractmethod
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:

@@ -41,11 +41,11 @@ import torch
 
 from weightsync.core.packing import ChunkUnpacker, as_bytes, byte_checksum, contiguous_checksum, pack_chunk
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
-from weightsync.core.transport.control import Deadlines
 from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire.errors import PeerAborted, WeightSyncError
-from weightsync.core.wire.manifest import Chunk, Manifest
+from weightsync.core.wire.manifest import Chunk
 from weightsync.core.wire.messages import SyncCall
+from weightsync.core.wire.session import Session
 
 log = logging.getLogger("weightsync")
 
@@ -78,16 +78,18 @@ class Communicator(Protocol):
 
 
 class _PackedBroadcast:
-    def __init__(self, comm: Communicator, manifest: Manifest, timeout_s: float, members: Sequence[str]) -> None:
+    def __init__(self, comm: Communicator, session: Session, members: Sequence[str]) -> None:
         if len(members) != comm.world_size:
             raise WeightSyncError(f"broadcast group of {comm.world_size} ranks given {len(members)} member names")
         self.comm = comm
-        self.manifest = manifest
-        self.deadlines = Deadlines(timeout_s)
+        self.session = session
+        self.manifest = session.manifest
+        self.deadlines = session.deadlines
         self.members = tuple(members)
+        nbuf = self.manifest.agreed.num_buffers
         # One stream per buffer slot, and the last one for the in-place operations.
-        self.streams = SlotStreams(comm.device, manifest.num_buffers + 1)
-        self.lane = manifest.num_buffers
+        self.streams = SlotStreams(comm.device, nbuf + 1)
+        self.lane = nbuf
         self._buffers: list[torch.Tensor] = []
         self._scratch: torch.Tensor | None = None
         self._in_flight: list[Work] = []
@@ -105,7 +107,8 @@ class _PackedBroadcast:
         if not self._buffers:
             size = max((c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace), default=0)
             self._buffers = [
-                torch.empty(size, dtype=torch.uint8, device=self.comm.device) for _ in range(self.manifest.num_buffers)
+                torch.empty(size, dtype=torch.uint8, device=self.comm.device)
+                for _ in range(self.manifest.agreed.num_buffers)
             ]
         return self._buffers
 
@@ -160,9 +163,13 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
 
     kind = "broadcast"
 
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return self.members[1:]
+
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self._agree(deadline)
-        nbuf = self.manifest.num_buffers
+        nbuf = self.manifest.agreed.num_buffers
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
         inplace: deque[tuple[Work, torch.Tensor]] = deque()
@@ -250,7 +257,7 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
-        nbuf = manifest.num_buffers
+        nbuf = manifest.agreed.num_buffers
         direct = [self._direct_target(c, destinations) for c in plan]
         scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
         # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.

@@ -1,4 +1,4 @@
-"""The colocated control block, the one wait-with-deadline helper, and the deadline policy.
+"""The colocated control block and the one wait-with-deadline helper.
 
 The colocated transports (ipc, direct) hand work over through a few int64 words in
 ``/dev/shm`` that both processes poll, instead of Ray round trips. Word layout::
@@ -11,8 +11,8 @@ Abort codes are named by the transport: :data:`TRAINER` is always 1, and
 :func:`worker_code` gives each worker of an export its own. The first side to fail writes
 its code, so its peers stop at once and name it instead of waiting out their deadline.
 
-Every wait has a deadline (:class:`Deadlines` decides them all, the coordinator's too),
-and can watch the peer's process: a peer that died without raising the flag (SIGKILL,
+Every wait has a deadline (:class:`~weightsync.core.wire.session.Deadlines` decides them
+all, the coordinator's too), and can watch the peer's process: a peer that died without raising the flag (SIGKILL,
 OOM) is noticed within milliseconds.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,40 +37,6 @@ TRAINER = 1
 def worker_code(index: int) -> int:
     """The abort code of the ``index``-th worker of an export (the trainer is 1)."""
     return 2 + index
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """When each kind of wait gives up, from one ``timeout_s``.
-
-    The side that can name a late peer (the trainer waiting for acknowledgements, a writer
-    waiting for an announcement) gives up at ``timeout_s``; the sides waiting on it get a
-    short grace more, so they learn of its failure through the abort word instead of timing
-    out themselves; the coordinator's wait on the Ray calls gets the whole grace, so every
-    party's own error comes back before it gives up on a party that never answers.
-    """
-
-    timeout_s: float
-
-    @property
-    def grace_s(self) -> float:
-        return min(10.0, 1.0 + 0.1 * self.timeout_s)
-
-    def leader(self, start: float) -> float:
-        return start + self.timeout_s
-
-    def follower(self, start: float) -> float:
-        return start + self.timeout_s + self.grace_s / 2
-
-    @property
-    def coordinator_s(self) -> float:
-        return self.timeout_s + self.grace_s
-
-    @property
-    def startup_s(self) -> float:
-        """The first call of a setup also waits for actors still being constructed (a process
-        to start, torch to import, a model to build: a minute on a loaded machine)."""
-        return max(2 * self.timeout_s + self.grace_s, 60.0)
 
 
 class ControlBlock:

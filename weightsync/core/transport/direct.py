@@ -38,12 +38,13 @@ import torch
 from weightsync.core.packing import read_checksums, tensor_checksums, typed_view, word_sum
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
-from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
 from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import DirectExport, SyncCall
+from weightsync.core.wire.session import Session
 
 Rebind = Callable[[int, torch.Tensor], None]
 
@@ -70,11 +71,13 @@ class DirectTarget(ReceiveHalf):
     kind = "direct"
     knows_sender_finished = True
 
-    def __init__(self, manifest: Manifest, device: torch.device, name: str, timeout_s: float = 60.0) -> None:
-        self.manifest = manifest
+    def __init__(self, session: Session, device: torch.device) -> None:
+        self.session = session
+        self.manifest = session.manifest
         self.device = device
-        self.name = name
-        self.deadlines = Deadlines(timeout_s)
+        self.name = session.party
+        self.server = session.server
+        self.deadlines = session.deadlines
         self._region: Region | None = None
         self._control: ControlBlock | None = None
         self._export: DirectExport | None = None
@@ -140,17 +143,17 @@ class DirectTarget(ReceiveHalf):
             return [], tuple(moved)
         if control.aborted_by:
             # The trainer gave up before this side got here (a late worker): nothing written.
-            raise PeerAborted(f"{self.name}: the trainer already abandoned sync {call.seq}", blames=["trainer"])
+            raise PeerAborted(f"{self.name}: {self.server} already abandoned sync {call.seq}", blames=[self.server])
         begin()
         control[_ANNOUNCED] = call.seq + 1
         control.wait(
             lambda: control[_WRITTEN] == call.seq + 1,
             self.deadlines.follower(time.monotonic()),
             self.name,
-            lambda: "the trainer to finish writing",
-            ["trainer", self.name],
+            lambda: f"{self.server} to finish writing",
+            [self.server, self.name],
             peer_pid=lambda: control[_WRITER_PID],
-            late=lambda: ["trainer"],
+            late=lambda: [self.server],
         )
         if not call.verify:
             return [], ()
@@ -158,8 +161,8 @@ class DirectTarget(ReceiveHalf):
         for index, (spec, got) in enumerate(zip(self.manifest.specs, mine)):
             if got != control[_FIRST_CHECKSUM + index] & 0xFFFFFFFFFFFFFFFF:
                 raise ChecksumMismatch(
-                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from the "
-                    "trainer's: the write went wrong"
+                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from "
+                    f"{self.server}'s: the write went wrong"
                 )
         return mine, ()
 
@@ -207,15 +210,20 @@ class DirectWriter(SendHalf):
 
     kind = "direct"
 
-    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
-        self.manifest = manifest
+    def __init__(self, session: Session, device: torch.device) -> None:
+        self.session = session
+        self.manifest = session.manifest
         self.device = device
-        self.deadlines = Deadlines(timeout_s)
-        self.name = name
+        self.deadlines = session.deadlines
+        self.name = session.party
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
         self._copier = BatchedCopier.create(device)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._mapped)
 
     def map(self, export: DirectExport) -> None:
         """Map a worker's export; a new export from the same worker releases the old mapping."""
@@ -243,7 +251,7 @@ class DirectWriter(SendHalf):
         self._mapped[export.worker] = _Mapped(export, destinations, control)
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
-        """Write ``call.direct``'s workers in turn; returns (checksums, workers found stale)."""
+        """Write this sync's direct workers in turn; returns (checksums, workers found stale)."""
         checksums: list[int] = []
         if call.verify:
             with torch.no_grad():
@@ -251,8 +259,12 @@ class DirectWriter(SendHalf):
                 checksums = read_checksums(
                     [word_sum(s.to(spec.torch_dtype)) for s, spec in zip(sources.tensors, self.manifest.specs)]
                 )
-        stale = tuple(w for w in call.direct if not self.write(w, sources, call.seq, deadline, checksums))
+        stale = tuple(w for w in call.to(self.kind) if not self.write(w, sources, call.seq, deadline, checksums))
         return checksums, stale
+
+    def walks(self, targets: Sequence[str], verify: bool) -> int:
+        """One pass per worker written, and one for the checksums with ``verify``."""
+        return len(targets) + int(verify)
 
     def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker

@@ -16,9 +16,11 @@ stream waits on it, unpacks, records its own event and acknowledges; the produce
 waits on every consumer's event before packing that slot again. Each side synchronizes
 once, at the end of a sync.
 
-The per-chunk API (``IpcSender.pack`` -> :class:`ChunkHandle` -> ``IpcReceiver.consume``) is
-for callers that hand chunks over themselves, as vLLM's packed IPC helpers do: the caller
-must not pack into a slot again before every consumer's ``consume`` of it returned.
+Both halves are made from their party's Session: the consumers name the trainer party that
+serves them (``session.server``) when it fails or is late. ``IpcSender.pack_slot`` and
+``IpcReceiver.read_slot`` move one chunk through one slot, synchronized, for callers that
+hand chunks over themselves (the bench's model of the reference design): such a caller must
+not pack into a slot again before every consumer's read of it returned.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import torch
 
 from weightsync.core.packing import ChunkUnpacker, byte_checksum, pack_chunk
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
-from weightsync.core.transport.control import TRAINER, ControlBlock, Deadlines, worker_code
+from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
 from weightsync.core.transport.streams import SlotStreams, wait_for_stream
 from weightsync.core.wire.errors import ChecksumMismatch, WeightSyncError
-from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import ChunkHandle, IpcExport, SyncCall
+from weightsync.core.wire.messages import IpcExport, SyncCall
+from weightsync.core.wire.session import Session
 
 # Control words: chunks published, the chunk the producer waits to write (0 when not
 # waiting), the producer's pid; then per consumer its acknowledged count and its pid; then
@@ -72,23 +74,28 @@ class IpcSender(SendHalf):
 
     kind = "ipc"
 
-    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "trainer") -> None:
-        self.manifest = manifest
+    def __init__(self, session: Session, device: torch.device) -> None:
+        self.session = session
+        self.manifest = session.manifest
         self.device = device
-        self.deadlines = Deadlines(timeout_s)
-        self.name = name
-        self.streams = SlotStreams(device, manifest.num_buffers)
+        self.deadlines = session.deadlines
+        self.name = session.party
+        self.streams = SlotStreams(device, self.manifest.agreed.num_buffers)
         self._slots: Region | None = None
         self._control: ControlBlock | None = None
         self._export: IpcExport | None = None
         self._packed: list[torch.cuda.Event] = []
         self._freed: list[list[torch.cuda.Event]] = []
 
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return self._export.consumer_names if self._export is not None else ()
+
     def export(self, consumer_names: Sequence[str]) -> IpcExport:
         """Allocate and export the slots and the control block, once per session."""
         if self._export is not None:
             raise WeightSyncError(f"{self.name}: IPC slots already exported for this session")
-        nbuf, size = self.manifest.num_buffers, self.manifest.buffer_bytes
+        nbuf, size = self.manifest.agreed.num_buffers, self.manifest.agreed.buffer_bytes
         self._slots = make_region(nbuf * size, self.device, tag="slots")
         self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
         self._control[_PRODUCER_PID] = os.getpid()
@@ -122,9 +129,9 @@ class IpcSender(SendHalf):
     def slot_buffer(self, slot: int) -> torch.Tensor:
         if self._slots is None or self._export is None:
             raise WeightSyncError(f"{self.name}: export() must run before packing")
-        if not 0 <= slot < self.manifest.num_buffers:
-            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{self.manifest.num_buffers - 1})")
-        size = self.manifest.buffer_bytes
+        if not 0 <= slot < self.manifest.agreed.num_buffers:
+            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{self.manifest.agreed.num_buffers - 1})")
+        size = self.manifest.agreed.buffer_bytes
         return self._slots.tensor[slot * size : (slot + 1) * size]
 
     def _enqueue_pack(
@@ -155,17 +162,22 @@ class IpcSender(SendHalf):
                 self._packed[slot].record(stream)
         return checksum
 
-    def pack(self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False) -> ChunkHandle:
-        """Pack chunk ``chunk_index`` into ``slot``; its bytes are complete when this returns
-        (the per-chunk API: the caller hands the handle to each consumer itself)."""
-        assert self._export is not None
+    def pack_slot(
+        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False
+    ) -> int | None:
+        """Pack chunk ``chunk_index`` into ``slot``, complete when this returns; its checksum
+        with ``verify``. For callers that hand the chunk to each consumer themselves."""
+        if self._export is None:
+            raise WeightSyncError(f"{self.name}: export() must run before packing")
         checksum = self._enqueue_pack(chunk_index, slot, sources, verify)
         deadline = self.deadlines.leader(time.monotonic())
         self.streams.drain_slot(slot, deadline, f"{self.name}: packing chunk {chunk_index} timed out", own=True)
-        nbytes = self.manifest.chunks[chunk_index].nbytes
-        return ChunkHandle(
-            session=self._export.session, slot=slot, chunk_index=chunk_index, nbytes=nbytes, checksum=checksum
-        )
+        return checksum
+
+    @property
+    def export_session(self) -> str | None:
+        """The id of this session's export (what a consumer attached to), if exported."""
+        return self._export.session if self._export is not None else None
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Pack every chunk, handing slots over on the control block.
@@ -174,7 +186,7 @@ class IpcSender(SendHalf):
         """
         control, export = self._ctl()
         consumers = range(export.num_consumers)
-        nbuf = self.manifest.num_buffers
+        nbuf = self.manifest.agreed.num_buffers
         base = call.seq * len(self.manifest.chunks)
         checksums: list[int] = []
         if control[_PUBLISHED] != base:
@@ -251,12 +263,14 @@ class IpcReceiver(ReceiveHalf):
     kind = "ipc"
     knows_sender_finished = True
 
-    def __init__(self, manifest: Manifest, device: torch.device, timeout_s: float, name: str = "worker") -> None:
-        self.manifest = manifest
+    def __init__(self, session: Session, device: torch.device) -> None:
+        self.session = session
+        self.manifest = session.manifest
         self.device = device
-        self.deadlines = Deadlines(timeout_s)
-        self.name = name
-        self.importer = RegionImporter(name)
+        self.deadlines = session.deadlines
+        self.name = session.party
+        self.server = session.server
+        self.importer = RegionImporter(self.name)
         self._export: IpcExport | None = None
         self._index = -1
         self._slots: torch.Tensor | None = None
@@ -270,10 +284,11 @@ class IpcReceiver(ReceiveHalf):
                 f"{self.name}: consumer index {consumer_index} out of range for an export "
                 f"made for {export.num_consumers} consumer(s)"
             )
-        if export.slot_bytes != self.manifest.buffer_bytes or export.num_slots != self.manifest.num_buffers:
+        agreed = self.manifest.agreed
+        if export.slot_bytes != agreed.buffer_bytes or export.num_slots != agreed.num_buffers:
             raise WeightSyncError(
                 f"{self.name}: IPC export has {export.num_slots} slot(s) of {export.slot_bytes} "
-                f"bytes, the manifest says {self.manifest.num_buffers} of {self.manifest.buffer_bytes}"
+                f"bytes, the manifest says {agreed.num_buffers} of {agreed.buffer_bytes}"
             )
         self._slots = self.importer.map(export.slots)
         control = ControlBlock.attach(self.importer.map(export.control), self.name, export.control.path)
@@ -287,6 +302,9 @@ class IpcReceiver(ReceiveHalf):
         self._export = export
         self._index = consumer_index
 
+    def mappings(self) -> tuple[int, int]:
+        return self.importer.maps, self.importer.releases
+
     def progress(self) -> tuple[int, int]:
         """(chunks published, chunk the producer waits to write or 0): for instrumentation."""
         control, _ = self._ctl()
@@ -299,41 +317,35 @@ class IpcReceiver(ReceiveHalf):
 
     def _slot(self, slot: int) -> torch.Tensor:
         assert self._slots is not None
-        size = self.manifest.buffer_bytes
+        size = self.manifest.agreed.buffer_bytes
         return self._slots[slot * size : (slot + 1) * size]
 
-    def consume(
+    def read_slot(
         self,
-        handle: ChunkHandle,
+        chunk_index: int,
+        slot: int,
         unpacker: ChunkUnpacker,
         deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
         verify: bool = False,
+        expected: int | None = None,
     ) -> int | None:
-        """Copy chunk ``handle`` out of its slot into the sink (the per-chunk API); synchronized
-        on return. Refuses, before reading a byte, a handle from another session, a slot or
-        chunk index out of range, or a size that disagrees with the plan."""
+        """Copy chunk ``chunk_index`` out of ``slot`` into the sink, synchronized on return;
+        its checksum with ``verify``. For callers that hand chunks over themselves."""
         _, export = self._ctl()
-        if handle.session != export.session:
+        if not 0 <= slot < export.num_slots:
+            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{export.num_slots - 1})")
+        if not 0 <= chunk_index < len(self.manifest.chunks):
             raise WeightSyncError(
-                f"{self.name}: chunk handle belongs to session {handle.session}, attached to "
-                f"{export.session}: a handle from a previous session; nothing was read"
+                f"{self.name}: chunk index {chunk_index} out of range (plan has {len(self.manifest.chunks)} chunks)"
             )
-        if not 0 <= handle.slot < export.num_slots:
-            raise WeightSyncError(f"{self.name}: slot {handle.slot} out of range (0..{export.num_slots - 1})")
-        chunks = self.manifest.chunks
-        if not 0 <= handle.chunk_index < len(chunks):
-            raise WeightSyncError(
-                f"{self.name}: chunk index {handle.chunk_index} out of range (plan has {len(chunks)} chunks)"
-            )
-        chunk = chunks[handle.chunk_index]
-        if handle.nbytes != chunk.nbytes:
-            raise WeightSyncError(
-                f"{self.name}: chunk {handle.chunk_index} handle says {handle.nbytes} bytes, "
-                f"the plan says {chunk.nbytes}"
-            )
-        checksum = self._read(chunk.index, handle.slot, unpacker, deliver, verify, handle.checksum)
-        self._synchronize(f"copying chunk {chunk.index} out")
+        checksum = self._read(chunk_index, slot, unpacker, deliver, verify, expected)
+        self._synchronize(f"copying chunk {chunk_index} out")
         return checksum
+
+    @property
+    def export_session(self) -> str | None:
+        """The id of the export this consumer attached to, if attached."""
+        return self._export.session if self._export is not None else None
 
     def _read(
         self,
@@ -360,7 +372,7 @@ class IpcReceiver(ReceiveHalf):
             checksum = byte_checksum(buffer, chunk.nbytes)
             if expected is not None and checksum != expected:
                 raise ChecksumMismatch(
-                    f"{self.name}: chunk {chunk_index} checksum {checksum:#x} != trainer's "
+                    f"{self.name}: chunk {chunk_index} checksum {checksum:#x} != {self.server}'s "
                     f"{expected:#x}: bytes were corrupted in transit"
                 )
         if stream is not None and self._freed:
@@ -378,10 +390,10 @@ class IpcReceiver(ReceiveHalf):
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         """Take every chunk as the producer publishes it; returns once every byte landed."""
         control, export = self._ctl()
-        nbuf = self.manifest.num_buffers
+        nbuf = self.manifest.agreed.num_buffers
         base = call.seq * len(self.manifest.chunks)
         deadline = self.deadlines.follower(time.monotonic())
-        names = ["trainer", *export.consumer_names]
+        names = [self.server, *export.consumer_names]
         csum_at = _checksum_word(export.num_consumers, 0)
         me = _ack_word(self._index)
         if control[me] != base:
@@ -396,10 +408,10 @@ class IpcReceiver(ReceiveHalf):
                 lambda g=g: control[_PUBLISHED] > g,  # type: ignore[misc]
                 deadline,
                 self.name,
-                lambda k=chunk.index: f"the trainer to publish chunk {k}",  # type: ignore[misc]
+                lambda k=chunk.index: f"{self.server} to publish chunk {k}",  # type: ignore[misc]
                 names,
                 peer_pid=lambda: control[_PRODUCER_PID],
-                late=lambda: ["trainer"],
+                late=lambda: [self.server],
             )
             if chunk.index == 0:
                 begin()

@@ -8,6 +8,7 @@ Ray-free and transport-free; everything else in weightsync builds on it.
 * :mod:`~weightsync.core.wire.manifest`: TensorSpec, the chunk plan, the Manifest.
 * :mod:`~weightsync.core.wire.messages`: endpoint info, group spec, export handles, per-sync calls and results.
 * :mod:`~weightsync.core.wire.outcome`: :class:`Outcome` per party and call, and blame.
+* :mod:`~weightsync.core.wire.session`: :class:`Session` per party and set-up, and the deadline policy.
 * :mod:`~weightsync.core.wire.report`: :class:`SyncReport`.
 """
 
@@ -32,6 +33,7 @@ from weightsync.core.wire.errors import (
 )
 from weightsync.core.wire.manifest import (
     PROTOCOL_VERSION,
+    AgreedSettings,
     Chunk,
     ChunkPiece,
     Manifest,
@@ -41,8 +43,6 @@ from weightsync.core.wire.manifest import (
     plan_chunks,
 )
 from weightsync.core.wire.messages import (
-    TRANSPORTS,
-    ChunkHandle,
     CudaIpcHandle,
     DirectExport,
     EndpointInfo,
@@ -56,6 +56,7 @@ from weightsync.core.wire.messages import (
 )
 from weightsync.core.wire.outcome import Outcome, Status, assign_blame
 from weightsync.core.wire.report import SyncReport, WorkerReport
+from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
 from weightsync.core.wire.settings import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUFFER_BYTES,
@@ -71,12 +72,13 @@ __all__ = [
     "DEFAULT_NUM_BUFFERS",
     "DEFAULT_TIMEOUT_S",
     "PROTOCOL_VERSION",
-    "TRANSPORTS",
+    "TRAINER_PARTY",
+    "AgreedSettings",
     "ChecksumMismatch",
     "Chunk",
-    "ChunkHandle",
     "ChunkPiece",
     "CudaIpcHandle",
+    "Deadlines",
     "DeviceMismatch",
     "DirectExport",
     "EndpointInfo",
@@ -91,6 +93,7 @@ __all__ = [
     "ReceiveResult",
     "RegionHandle",
     "SendResult",
+    "Session",
     "SettingsError",
     "SetupError",
     "ShmHandle",

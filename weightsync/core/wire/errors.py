@@ -103,10 +103,14 @@ class TransferError(WeightSyncError):
 class _CoordinatorError(WeightSyncError):
     """An error the coordinator raises from every party's outcome of a call."""
 
-    def __init__(self, message: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str]) -> None:
+    def __init__(
+        self, message: str, outcomes: Mapping[str, Outcome], culprits: Sequence[str], dead: Sequence[str] = ()
+    ) -> None:
         super().__init__(message, blames=culprits)
         self.outcomes: dict[str, Outcome] = dict(outcomes)
         self.culprits: list[str] = list(culprits)
+        #: The parties whose actor died (dead workers are dropped from the WeightSync).
+        self.dead: list[str] = list(dead)
 
     @property
     def failures(self) -> dict[str, str]:
@@ -115,7 +119,8 @@ class _CoordinatorError(WeightSyncError):
 
 
 class SetupError(_CoordinatorError):
-    """Setup refused: a handshake mismatch, an unusable transport or a dead party, named."""
+    """Setup refused: a handshake mismatch, an unusable transport or a dead party, named
+    (``dead``: parties whose actor died; dead workers are dropped, reported here)."""
 
 
 class SyncError(_CoordinatorError):
@@ -135,8 +140,7 @@ class SyncError(_CoordinatorError):
         dead: Sequence[str] = (),
         held: Mapping[str, tuple[int | None, str]] | None = None,
     ) -> None:
-        super().__init__(message, outcomes, culprits)
-        self.dead: list[str] = list(dead)
+        super().__init__(message, outcomes, culprits, dead)
         self.held: dict[str, tuple[int | None, str]] = dict(held or {})
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -175,7 +175,32 @@ def plan_broadcast(
     return tuple(plan)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class AgreedSettings:
+    """The settings both sides of a transfer must share, fixed by the trainer at setup.
+
+    The chunk plans derive from them; a worker pinned to other values is refused in the
+    handshake (:meth:`Manifest.check_buffer_expectations`). ``buffer_bytes`` is a number
+    here: ``"auto"`` was resolved by the trainer.
+    """
+
+    buffer_bytes: int
+    """Bytes per packing buffer (ipc slot, broadcast buffer)."""
+
+    num_buffers: int
+    """Buffers in rotation on each side."""
+
+    alignment: int
+    """Byte alignment of every tensor in a buffer or region."""
+
+    inplace_bytes: int
+    """Broadcast: tensors of at least this many bytes get their own collective (0: none)."""
+
+    def __post_init__(self) -> None:
+        check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """Everything both sides derive a transfer from, fixed by the trainer at setup.
 
@@ -183,19 +208,16 @@ class Manifest:
     :meth:`validate` and :meth:`check_against` before joining any collective.
 
     Two plans: ``chunks`` packs every tensor (ipc slots; direct uses :meth:`region_layout`);
-    ``broadcast_chunks`` sends tensors of at least ``inplace_bytes`` in place and packs the
-    rest (:func:`plan_broadcast`).
+    ``broadcast_chunks`` sends tensors of at least ``agreed.inplace_bytes`` in place and
+    packs the rest (:func:`plan_broadcast`).
     """
 
     specs: tuple[TensorSpec, ...]
-    buffer_bytes: int
-    num_buffers: int
-    alignment: int
+    agreed: AgreedSettings
     chunks: tuple[Chunk, ...]
+    broadcast_chunks: tuple[Chunk, ...]
+    total_bytes: int
     protocol_version: int = PROTOCOL_VERSION
-    total_bytes: int = field(default=0)
-    inplace_bytes: int = 0
-    broadcast_chunks: tuple[Chunk, ...] = ()
 
     @classmethod
     def build(
@@ -206,18 +228,23 @@ class Manifest:
         alignment: int = DEFAULT_ALIGNMENT,
         inplace_bytes: int = DEFAULT_INPLACE_BYTES,
     ) -> Manifest:
+        agreed = AgreedSettings(
+            buffer_bytes=buffer_bytes, num_buffers=num_buffers, alignment=alignment, inplace_bytes=inplace_bytes
+        )
+        return cls.planned(specs, agreed)
+
+    @classmethod
+    def planned(cls, specs: Iterable[TensorSpec], agreed: AgreedSettings) -> Manifest:
+        """The Manifest of ``specs`` under ``agreed``, with both chunk plans derived."""
         spec_tuple = tuple(specs)
-        check_buffer_settings(buffer_bytes, num_buffers, alignment, inplace_bytes)
         check_specs(spec_tuple)
+        a = agreed
         return cls(
             specs=spec_tuple,
-            buffer_bytes=buffer_bytes,
-            num_buffers=num_buffers,
-            alignment=alignment,
-            chunks=plan_chunks(spec_tuple, buffer_bytes, alignment),
+            agreed=a,
+            chunks=plan_chunks(spec_tuple, a.buffer_bytes, a.alignment),
+            broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes),
             total_bytes=sum(s.nbytes for s in spec_tuple),
-            inplace_bytes=inplace_bytes,
-            broadcast_chunks=plan_broadcast(spec_tuple, buffer_bytes, alignment, inplace_bytes),
         )
 
     @property
@@ -235,7 +262,7 @@ class Manifest:
         offsets = []
         cursor = 0
         for spec in self.specs:
-            cursor = align_up(cursor, self.alignment)
+            cursor = align_up(cursor, self.agreed.alignment)
             offsets.append(cursor)
             cursor += spec.nbytes
         return tuple(offsets), cursor
@@ -253,9 +280,10 @@ class Manifest:
                 f"worker speaks {PROTOCOL_VERSION}; install the same weightsync version on both"
             )
         try:
-            rebuilt = Manifest.build(
-                self.specs, self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes
-            )
+            if not isinstance(self.agreed, AgreedSettings):
+                raise SettingsError(f"agreed settings must be AgreedSettings, got {type(self.agreed).__name__}")
+            # replace() runs the checks again: unpickling skipped them.
+            rebuilt = Manifest.planned(self.specs, replace(self.agreed))
         except SettingsError as exc:
             raise ManifestError(f"the trainer's manifest carries unusable buffer settings: {exc}") from exc
         if rebuilt.chunks != self.chunks or rebuilt.total_bytes != self.total_bytes:
@@ -265,7 +293,7 @@ class Manifest:
             )
         if rebuilt.broadcast_chunks != self.broadcast_chunks:
             raise ManifestError(
-                f"the broadcast plan sent by the trainer (inplace_bytes={self.inplace_bytes}: "
+                f"the broadcast plan sent by the trainer (inplace_bytes={self.agreed.inplace_bytes}: "
                 f"{self.inplace_count} tensor(s) in place, {len(self.broadcast_chunks)} chunk(s)) differs from "
                 f"the one this worker derives with that threshold ({rebuilt.inplace_count} in place, "
                 f"{len(rebuilt.broadcast_chunks)} chunk(s)); install the same weightsync version on both sides"
@@ -295,9 +323,9 @@ class Manifest:
         (``buffer_bytes`` is compared with the size the trainer resolved, "auto" or not)."""
         problems = []
         for label, mine, theirs in (
-            ("buffer_bytes", buffer_bytes, self.buffer_bytes),
-            ("num_buffers", num_buffers, self.num_buffers),
-            ("inplace_bytes", inplace_bytes, self.inplace_bytes),
+            ("buffer_bytes", buffer_bytes, self.agreed.buffer_bytes),
+            ("num_buffers", num_buffers, self.agreed.num_buffers),
+            ("inplace_bytes", inplace_bytes, self.agreed.inplace_bytes),
         ):
             if mine is not None and mine != theirs:
                 problems.append(f"{label}: trainer uses {theirs}, {who} was configured with {mine}")

@@ -13,8 +13,6 @@ from typing import Any
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.outcome import Outcome
 
-TRANSPORTS = ("broadcast", "ipc", "direct")
-
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -73,18 +71,24 @@ class SourceLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSpec:
-    """A broadcast group to join: rendezvous address, this rank, and the timeout."""
+    """A broadcast group to join: rendezvous address and this rank (the timeout is the
+    session's)."""
 
     name: str
     store_host: str
     store_port: int
     rank: int
     world_size: int
-    timeout_s: float
     backend: str
     nccl_id: bytes | None = None
+    #: Every rank's party name, in rank order (rank 0 is the serving trainer party).
+    members: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _require(
+            len(self.members) == self.world_size and all(isinstance(m, str) and m for m in self.members),
+            f"a group of {self.world_size} ranks needs {self.world_size} member names, got {self.members!r}",
+        )
         _require(self.backend in ("gloo", "nccl"), f"broadcast backend must be gloo or nccl, got {self.backend!r}")
         _require(_is_int(self.world_size) and self.world_size >= 2, f"world_size must be >= 2, got {self.world_size}")
         _require(
@@ -94,10 +98,6 @@ class GroupSpec:
         _require(0 < self.store_port < 65536, f"store port {self.store_port} out of range")
         _require(
             self.backend != "nccl" or isinstance(self.nccl_id, bytes), "an NCCL group needs the unique id as bytes"
-        )
-        _require(
-            isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf"),
-            f"group timeout_s must be finite and positive, got {self.timeout_s!r}",
         )
 
 
@@ -173,24 +173,6 @@ class IpcExport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChunkHandle:
-    """Chunk ``chunk_index`` sits in ``slot`` of session ``session``'s region (the per-chunk API)."""
-
-    session: str
-    slot: int
-    chunk_index: int
-    nbytes: int
-    checksum: int | None = None
-
-    def __post_init__(self) -> None:
-        _require(
-            all(_is_int(v) for v in (self.slot, self.chunk_index, self.nbytes)) and self.nbytes >= 0,
-            f"a chunk handle's slot, chunk index and size must be ints, got {self.slot!r}, {self.chunk_index!r}, "
-            f"{self.nbytes!r}",
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
 class DirectExport:
     """A worker's exported destination region, where each tensor lives in it, and the
     control block the two sides meet on."""
@@ -217,19 +199,35 @@ class SyncCall:
     version: int
     verify: bool = False
     force: bool = False
-    #: Direct workers the trainer writes this time (all of them, or those re-exported).
-    direct: tuple[str, ...] = ()
-    #: Transports the trainer drives this time.
-    kinds: tuple[str, ...] = TRANSPORTS
+    #: Per transport the trainer party drives this time, in the order it drives them, the
+    #: workers it writes (all of its workers on it, or only those re-exported). None: every
+    #: open half with all its peers (a single-process caller that opened them itself).
+    targets: dict[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
         _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
-        _require(set(self.kinds) <= set(TRANSPORTS), f"unknown transports {sorted(set(self.kinds) - set(TRANSPORTS))}")
         _require(
             isinstance(self.verify, bool) and isinstance(self.force, bool), "verify and force must be True or False"
         )
-        _require(not self.direct or "direct" in self.kinds, "a sync that writes direct workers must include 'direct'")
+        _require(
+            self.targets is None or isinstance(self.targets, dict),
+            f"targets must map transports to workers, got {self.targets!r}",
+        )
+        for kind, workers in (self.targets or {}).items():
+            _require(
+                isinstance(kind, str) and isinstance(workers, tuple) and all(isinstance(w, str) for w in workers),
+                f"targets[{kind!r}] must be a tuple of worker names, got {workers!r}",
+            )
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The transports the trainer party drives this time, in order (once resolved)."""
+        return tuple(self.targets or ())
+
+    def to(self, kind: str) -> tuple[str, ...]:
+        """The workers of transport ``kind`` written this time (once resolved)."""
+        return (self.targets or {}).get(kind, ())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +250,8 @@ class ReceiveResult:
     seconds: float = 0.0
     #: Direct transport: tensors whose storage moved since the export (nothing written).
     stale: tuple[str, ...] = ()
+    #: The transport the bytes came over (what a later commit checks them against).
+    transport: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,8 @@
 
 The bench measures weightsync against the design it grew from, which hands every chunk over
 with a Ray call to the trainer (pack it) and one to the worker (consume it). These actors add
-those two calls on top of the ready-made ones, through the per-chunk IPC API
-(``IpcSender.pack`` / ``IpcReceiver.consume``); the shipped worker protocol has no such call.
+those two calls on top of the ready-made ones, through the per-chunk hand-off of
+:mod:`~weightsync.tools.bench.chunks`; the shipped worker protocol has no such call.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ from typing import Any
 import ray
 
 from weightsync.core.transport.base import unpacker_for
+from weightsync.core.transport.ipc import IpcReceiver, IpcSender
 from weightsync.core.wire.errors import WeightSyncError
-from weightsync.core.wire.messages import ChunkHandle
-from weightsync.glue.actors import _Trainer, _Worker
+from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.tools.bench.chunks import ChunkHandle, consume_chunk, pack_chunk
 
 
-class ChunkTrainer(_Trainer):
+class ChunkTrainer(TrainerHost):
     def pack_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
         sender = self._ws()
-        if sender.ipc is None:
+        ipc = sender.half("ipc")
+        if not isinstance(ipc, IpcSender):
             raise WeightSyncError("trainer: no IPC export is open; set up an ipc WeightSync first")
-        return sender.ipc.pack(chunk_index, slot, sender.checked_sources().tensors)
+        return pack_chunk(ipc, chunk_index, slot, sender.checked_sources().tensors)
 
     def push_seconds(self, version: int) -> float:
         """A push from inside this actor's own call (push mode), timed here: what a loop that
@@ -34,13 +36,13 @@ class ChunkTrainer(_Trainer):
         return time.perf_counter() - start
 
 
-class ChunkWorker(_Worker):
+class ChunkWorker(WorkerHost):
     def consume_chunk(self, handle: ChunkHandle) -> None:
         receiver = self._wr()
-        ipc = receiver.ipc
-        if ipc is None or receiver.manifest is None:
+        ipc = receiver.half("ipc")
+        if not isinstance(ipc, IpcReceiver) or receiver.manifest is None:
             raise WeightSyncError(f"{receiver.name}: no IPC export is attached; set up an ipc WeightSync first")
-        ipc.consume(handle, unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
+        consume_chunk(ipc, handle, unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
 
 
 ChunkTrainerActor: Any = ray.remote(ChunkTrainer)

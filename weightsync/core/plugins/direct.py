@@ -1,0 +1,90 @@
+"""The direct plug-in: a worker on the trainer's device holding plain tensors, written in one copy.
+
+Setup, run by the coordinator for each trainer party with direct workers (again for the
+workers whose tensors moved since their export: a reload replaced them)::
+
+    export   each worker moves its tensors into one exported region (under its gate) and
+             installs DirectTarget
+    map      the trainer party maps each export once (DirectWriter; a new export of the
+             same worker replaces its mapping)
+    seal     each worker unlinks its shared-memory names
+
+A worker commits as soon as its receive returns: the control block tells it the writer
+finished.
+"""
+
+from __future__ import annotations
+
+from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
+from weightsync.core.transport.direct import DirectTarget, DirectWriter
+from weightsync.core.transport.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
+from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.messages import DirectExport, EndpointInfo
+
+
+def open_direct(opening: Opening) -> None:
+    """Each member exports its tensors, the serving party maps the exports, the members seal."""
+    me, members = opening.server, opening.members
+    exports = opening.step({name: Request(action="export") for name in members}, "exporting direct targets")
+    opening.step({me: Request(action="map", args=(tuple(exports[n] for n in members),))}, "mapping direct targets")
+    opening.step({name: Request(action="seal") for name in members}, "sealing direct exports")
+
+
+def _map(side: TrainerSide, exports: tuple[DirectExport, ...]) -> None:
+    writer = side.half("direct")
+    if not isinstance(writer, DirectWriter):
+        writer = DirectWriter(side.session, side.device)
+        side.install(writer)
+    for export in exports:
+        writer.map(export)
+
+
+def _export(side: WorkerSide) -> DirectExport:
+    session = side.session
+    tensors = side.sink.direct_tensors(session.manifest)
+    if tensors is None:
+        raise WeightSyncError(
+            f"{session.party}: its sink ({type(side.sink).__name__}) transforms tensors on load "
+            "and cannot take direct writes; use transport='ipc' for this worker"
+        )
+    with side.gate:
+        target = side.half("direct")
+        if not isinstance(target, DirectTarget):
+            target = DirectTarget(session, side.device)
+            side.install(target)
+        return target.export(tensors, side.sink.rebind)
+
+
+def _seal(side: WorkerSide) -> None:
+    target = side.half("direct")
+    if not isinstance(target, DirectTarget):
+        raise WeightSyncError(f"{side.session.party}: no direct export to seal; the export step did not run")
+    target.seal()
+
+
+def fits(trainer: EndpointInfo, worker: EndpointInfo, name: str) -> str | None:
+    far = colocated_or_why(trainer, worker, name, "direct")
+    if far is not None:
+        return far
+    if not worker.sink_allows_direct:
+        return "its sink transforms tensors on load and cannot take direct writes; use transport='ipc'"
+    return None
+
+
+def usable_here() -> list[tuple[str, str | None]]:
+    return [("direct (shared memory, CPU)", shm_reason()), ("direct (CUDA IPC)", gpu_reason())]
+
+
+DIRECT = Transport(
+    name="direct",
+    open=open_direct,
+    trainer_actions={"map": _map},
+    worker_actions={"export": _export, "seal": _seal},
+    send_half=DirectWriter,
+    receive_half=DirectTarget,
+    fits=fits,
+    serving=Serving.NEAREST,
+    auto_rank=10,
+    send_order=10,
+    usable_here=usable_here,
+)

@@ -1,0 +1,119 @@
+"""One sync round: every party's call submitted together, awaited once, failures judged once.
+
+A round, as :class:`Round` runs it::
+
+    per trainer rank:  ws_send(call for the workers it serves)     (ranks first: their checks
+                                                                    and first chunk overlap the
+                                                                    workers' calls starting)
+    per worker:        ws_receive(call)
+    per worker whose transport cannot tell that the sender finished:
+                       ws_commit(call, send ref, receive ref)       (chained on both answers by
+                                                                    object refs: no round trip)
+    gather once -> each party's final outcome -> all ok, or the failure policy
+
+In push mode a round is one call, to the trainer, which wakes the listening workers
+itself. On a failure (:meth:`Round.fail`): the policy's verdict names the culprits, dead
+workers are dropped, every worker that can still answer settles (a worker left mid-write
+is dirty), the transports are torn down, and SyncError carries what each worker holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from weightsync.core import registry
+from weightsync.core.policy import Verdict, judge
+from weightsync.core.wire.errors import SyncError
+from weightsync.core.wire.messages import ReceiveResult, SendResult, SyncCall
+from weightsync.core.wire.outcome import Outcome
+from weightsync.glue.membership import Member, Membership
+from weightsync.glue.ranks import TrainerRanks
+from weightsync.glue.steps import Steps
+
+log = logging.getLogger("weightsync")
+Results = tuple[SendResult, dict[str, ReceiveResult]]
+
+
+def targets(members: Sequence[Member]) -> dict[str, tuple[str, ...]]:
+    """Per transport, in the order the trainer drives them, the workers on it."""
+    order = {t.name: (t.send_order, i) for i, t in enumerate(registry.transports())}
+    kinds = sorted({m.transport for m in members}, key=lambda k: order.get(k, (1 << 30, 0)))
+    return {kind: tuple(m.name for m in members if m.transport == kind) for kind in kinds}
+
+
+class Round:
+    """Runs rounds for one WeightSync (its membership and its way of calling parties)."""
+
+    def __init__(self, membership: Membership, steps: Steps) -> None:
+        self.membership = membership
+        self.ranks: TrainerRanks = membership.ranks
+        self.steps = steps
+
+    def run(self, call: SyncCall, members: Sequence[Member]) -> Results:
+        """One round over ``members`` (all workers, or those re-exported)."""
+        lead = self.ranks.lead
+        calls: dict[tuple[str, str], Any] = {}
+        for r, (rank, handle) in enumerate(self.ranks.parties().items()):
+            mine = [m.name for m in members if m.rank == r]
+            calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
+        for m in members:
+            calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
+        chained = {m.name for m in members if not registry.get(m.transport).commits_alone}
+        for m in (m for m in members if m.name in chained):
+            sent = calls[(self.ranks.names[m.rank], "send")]
+            calls[(m.name, "commit")] = m.handle.ws_commit.remote(call, sent, calls[(m.name, "receive")])
+        outs = self.steps.gather(calls)
+        final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
+        for m in members:
+            received = outs[(m.name, "receive")]
+            final[m.name] = outs[(m.name, "commit")] if m.name in chained and received.ok else received
+        verdict = judge(final, f"sync failed during the transfer of version {call.version}")
+        if verdict is not None:
+            self.fail(verdict)
+        return final[lead].value, {m.name: final[m.name].value for m in members}
+
+    def push(self, call: SyncCall, set_up: Callable[[], object]) -> Results:
+        """Push mode: one call to the trainer; an earlier in-trainer push that failed makes
+        the trainer ask for a new setup first (``set_up``), once."""
+        when = f"during the push of version {call.version}"
+        lead = self.ranks.lead
+        trainer = self.ranks.handles[0]
+        for attempt in range(2):
+            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call)})[(lead, "push")]
+            verdict = judge({lead: o}, f"sync failed {when}")
+            if verdict is not None:
+                self.fail(verdict)
+            if not o.value.setup_needed or attempt:
+                break
+            set_up()
+        result = o.value
+        if result.setup_needed:
+            raise SyncError(f"the trainer still refuses pushes after a new setup {when}", {lead: o}, [lead])
+        final: dict[str, Outcome] = {lead: result.sent, **{n: a.outcome for n, a in result.workers.items()}}
+        verdict = judge(final, f"sync failed {when}")
+        if verdict is not None:
+            self.fail(verdict)
+        return result.sent.value, {n: a.outcome.value for n, a in result.workers.items()}
+
+    def fail(self, verdict: Verdict) -> NoReturn:
+        """Carry out ``verdict``: drop the dead, settle who can answer, tear down, raise."""
+        dropped = self.membership.drop(verdict.dead)
+        settle = verdict.settle(self.membership.members)
+        settled = self.steps.gather(
+            {(name, "settle"): self.membership.members[name].handle.ws_settle.remote() for name in settle}
+        )
+        held: dict[str, tuple[int | None, str]] = {}
+        for (name, _), o in settled.items():
+            if o.ok:
+                held[name] = o.value
+            else:
+                log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
+        self.steps.teardown(abort=True, skip=verdict.silent)
+        raise verdict.sync_error(held, dropped)
+
+
+def stale_members(results: Mapping[str, ReceiveResult], membership: Membership) -> list[Member]:
+    """The workers that answered "stale": their tensors moved since their export, nothing written."""
+    return [membership.members[n] for n, r in results.items() if r.stale and n in membership.members]

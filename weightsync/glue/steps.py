@@ -1,0 +1,69 @@
+"""Running one step of Ray calls for the coordinator: submit together, await once, judge.
+
+A step is a set of calls keyed by (party, phase). :meth:`Steps.gather` waits for all of
+them within one deadline and turns every answer, or its absence, into an Outcome
+(:func:`~weightsync.glue.calls.gather`). :meth:`Steps.run` is a setup step: on any failure
+it applies the failure policy (:mod:`weightsync.core.policy`): dead workers are dropped,
+the transports are torn down on every party that can still answer, and SetupError names
+the culprits. :meth:`Steps.teardown` closes every transport on every live party.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from weightsync.core.policy import judge
+from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.session import Deadlines
+from weightsync.glue.calls import gather
+from weightsync.glue.membership import Membership
+
+log = logging.getLogger("weightsync")
+Calls = Mapping[tuple[str, str], Any]
+
+
+class Steps:
+    """The coordinator's way of calling its parties; ``deadlines`` gives the current policy."""
+
+    def __init__(self, membership: Membership, deadlines: Callable[[], Deadlines]) -> None:
+        self.membership = membership
+        self._deadlines = deadlines
+        #: Called whenever a teardown ran: the coordinator is no longer set up.
+        self.on_teardown: Callable[[], None] = lambda: None
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines()
+
+    def gather(self, calls: Calls, timeout_s: float | None = None) -> dict[tuple[str, str], Outcome]:
+        return gather(calls, timeout_s or self.deadlines.coordinator_s, self.membership.handles())
+
+    def run(self, calls: Calls, when: str, timeout_s: float | None = None) -> dict[str, Outcome]:
+        """One setup step: every call's outcome by party (a party's failure wins over its
+        other calls' success); on any failure, the policy's SetupError."""
+        outs: dict[str, Outcome] = {}
+        for (party, _), o in self.gather(calls, timeout_s).items():
+            if party not in outs or not o.ok:
+                outs[party] = o
+        verdict = judge(outs, f"setup failed {when}")
+        if verdict is not None:
+            dropped = self.membership.drop(verdict.dead)
+            self.teardown(abort=True, skip={*verdict.dead, *verdict.silent})
+            raise verdict.setup_error(dropped)
+        return outs
+
+    def teardown(self, abort: bool = False, skip: Iterable[str] = ()) -> None:
+        """Close every transport on every party not in ``skip``; failures are logged (a party
+        that died is dropped by the step that saw it die, or named by the next setup)."""
+        self.on_teardown()
+        left_out = set(skip)
+        calls = {
+            (p, "teardown"): h.ws_teardown.remote(abort)
+            for p, h in self.membership.handles().items()
+            if p not in left_out
+        }
+        for (party, _), o in self.gather(calls).items():
+            if not o.ok:
+                log.warning("weightsync: teardown on %s: %s", party, o.line())
