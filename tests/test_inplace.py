@@ -124,7 +124,7 @@ def run_group(
         for r, res in zip(receivers, results):
             if not isinstance(res[i], Exception):
                 try:  # broadcast commits in a second step, given both sides' outcomes
-                    r.commit(call, ok("trainer", "send", s), ok(r.name, "receive", res[i]))
+                    r.commit(call, ok(r.name, "receive", res[i]), ok("trainer", "send", s))
                 except Exception as exc:
                     res[i] = exc
     return results
@@ -406,7 +406,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
             receiver.install(BroadcastReceiver(feeding, receiver.session, ["trainer", "w"]))
             got = receiver.receive(call)
             assert got.checksums == sent.checksums["broadcast"]
-            receiver.commit(call, ok("trainer", "send", sent), ok("w", "receive", got))
+            receiver.commit(call, ok("w", "receive", got), ok("trainer", "send", sent))
             assert receiver.version == 1
             held = dict(worker.named_buffers()) if worker_sink == "module" else loader.got
             for name, t in want.items():

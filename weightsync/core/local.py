@@ -40,6 +40,10 @@ class LocalOpening:
         return self.trainer.session.party
 
     @property
+    def servers(self) -> tuple[str, ...]:
+        return (self.server,)
+
+    @property
     def members(self) -> tuple[str, ...]:
         return tuple(self.workers)
 

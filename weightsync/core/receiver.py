@@ -10,7 +10,7 @@ Ray and names no transport: the plug-ins' setup actions install its half (it is 
     the plug-in's worker actions                   -> receiver.install(half)
     per sync: receiver.receive(call)               -> ReceiveResult (commits at once when the
                                                       half knows the sender finished)
-              receiver.commit(call, sent, got)     otherwise: once the server's side is known
+              receiver.commit(call, got, *sent)    otherwise: once every serving side is known
     after a failed sync: receiver.settle()         -> (version, state)
 """
 
@@ -141,19 +141,25 @@ class WeightReceiver:
             transport=half.kind,
         )
 
-    def commit(self, call: SyncCall, sent: Outcome, received: Outcome) -> ReceiveResult:
-        """Take ``call.version`` once the trainer's send (``sent``) and this worker's receive
-        (``received``) are known; only when both succeeded and, with ``verify``, every
-        chunk's checksum matches the trainer's."""
+    def commit(self, call: SyncCall, received: Outcome, *sent: Outcome) -> ReceiveResult:
+        """Take ``call.version`` once this worker's receive (``received``) and the send of
+        every trainer party serving it (``sent``, in rank order: one, or every rank with
+        owner sends) are known; only when all succeeded and, with ``verify``, every chunk's
+        checksum matches the senders' (theirs concatenated in rank order)."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
-        server = self.session.server
-        if not sent.ok:
+        if not sent:
+            raise WeightSyncError(f"{self.name}: asked to commit without any sender's answer (a weightsync bug)")
+        failed_senders = [o.party for o in sent if not o.ok]
+        if failed_senders:
             self._fail()
-            raise PeerAborted(f"{self.name}: {server}'s side failed; version {call.version} not taken", blames=[server])
+            raise PeerAborted(
+                f"{self.name}: {', '.join(failed_senders)} failed; version {call.version} not taken",
+                blames=failed_senders,
+            )
         got: ReceiveResult = received.value
         if call.verify:
-            expected = sent.value.checksums.get(got.transport, [])
+            expected = [c for o in sent for c in o.value.checksums.get(got.transport, [])]
             bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
             if bad or len(got.checksums) != len(expected):
                 self._fail()

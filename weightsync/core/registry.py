@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from weightsync.core.plugins.broadcast import BROADCAST
 from weightsync.core.plugins.direct import DIRECT
 from weightsync.core.plugins.ipc import IPC
+from weightsync.core.plugins.owned import OWNERS
 from weightsync.core.plugins.push import PUSH
 from weightsync.core.transport.plugin import Mode, Plugin, Transport
 from weightsync.core.wire.errors import SettingsError
@@ -105,5 +106,5 @@ def auto_candidates() -> list[Transport]:
     return sorted(ranked, key=lambda t: t.auto_rank)  # type: ignore[arg-type, return-value]
 
 
-for _builtin in (BROADCAST, IPC, DIRECT, PUSH):
+for _builtin in (BROADCAST, IPC, DIRECT, OWNERS, PUSH):
     register(_builtin)

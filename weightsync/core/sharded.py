@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from weightsync.core.owned_plan import OwnedLayout, row_span
 from weightsync.core.packing import read_checksums, word_sum
 from weightsync.core.sender import WeightSender
 from weightsync.core.transport.base import Sources, shed_traceback
@@ -309,6 +310,44 @@ class ShardedSender(WeightSender):
     def peers(self) -> tuple[str, ...]:
         return tuple(r for r in self.ranks if r != self.name)
 
+    def owned_layout(self) -> OwnedLayout:
+        """What owner sends need (:mod:`weightsync.core.owned_plan`): per tensor, split by rows
+        (``Shard(0)`` over the 1-D mesh, with the rows ``torch.chunk`` gives this rank) or
+        whole (``Replicate``, plain). Any other layout is refused naming the tensor."""
+        group = self._group()
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        rows: list[bool] = []
+        for name, t in self.named_tensors():
+            if not isinstance(t, DTensor):
+                rows.append(False)
+                continue
+            if not _fast(t):
+                raise SettingsError(
+                    f"{self.name}: {name} is laid out as {tuple(t.placements)} over a {t.device_mesh.ndim}-D mesh; "
+                    "owner sends take Shard(0) over a 1-D mesh, Replicate or plain tensors: use "
+                    "transport='broadcast' for this trainer (it gathers)"
+                )
+            split = t.placements[0] == Shard(0) and t.ndim > 0
+            if split:
+                start, stop = row_span(t.shape[0], world, me)
+                held = t.to_local().shape[0] if t.to_local().ndim else 0
+                if held != stop - start:
+                    raise SettingsError(
+                        f"{self.name}: {name} holds {held} row(s) of {t.shape[0]}, but an even Shard(0) split over "
+                        f"{world} ranks gives rank {me} {stop - start}: owner sends need torch.chunk's split; use "
+                        "transport='broadcast' for this trainer (it gathers)"
+                    )
+            rows.append(split)
+        return OwnedLayout(ranks=world, rows=tuple(rows))
+
+    def shards(self) -> str:
+        """``"owned"`` when every rank can send what it holds (:meth:`owned_layout`), else ``"other"``."""
+        try:
+            self.owned_layout()
+        except SettingsError:
+            return "other"
+        return "owned"
+
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
         manifest = super().manifest(settings, hints)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
@@ -367,7 +406,7 @@ class ShardedSender(WeightSender):
                 self._agree(0, True, _Wait(self.session.deadlines.follower(began), self.name, self.peers))
                 raise
             gathered = self._walk(sources, self.walks(call), began)
-            checksums, stale = self.drive(Sources(gathered, None, streamed=True), call, deadline)
+            checksums, stale = self.drive(Sources(gathered, None, streamed=True, local=sources.tensors), call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if gathered is not None:

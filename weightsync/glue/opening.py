@@ -28,6 +28,7 @@ class RayOpening:
     plugin: Plugin
     server: str
     members: tuple[str, ...]
+    servers: tuple[str, ...] = ()
     infos: Mapping[str, EndpointInfo]
     steps: Steps
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -39,7 +40,7 @@ class RayOpening:
         return found
 
     def step(self, requests: Mapping[str, Request], when: str) -> dict[str, Any]:
-        allowed = {self.server, *self.members}
+        allowed = {self.server, *self.servers, *self.members}
         strangers = sorted(set(requests) - allowed)
         if strangers:
             raise SettingsError(
@@ -62,9 +63,19 @@ def open_plugin(
     members: Sequence[str],
     infos: Mapping[str, EndpointInfo],
     options: Mapping[str, Any],
+    servers: Sequence[str] = (),
 ) -> None:
-    """Run ``plugin``'s setup for ``server`` and its ``members`` (nothing when it has none)."""
+    """Run ``plugin``'s setup for ``server`` (with ``servers``: every serving party, ``server``
+    first) and its ``members`` (nothing when it has none)."""
     if members:
         plugin.open(
-            RayOpening(plugin=plugin, server=server, members=tuple(members), infos=infos, steps=steps, options=options)
+            RayOpening(
+                plugin=plugin,
+                server=server,
+                members=tuple(members),
+                servers=tuple(servers) or (server,),
+                infos=infos,
+                steps=steps,
+                options=options,
+            )
         )

@@ -134,10 +134,13 @@ class TrainerRanks:
             rank = explicit[worker]
         else:
             near = [r for r, rank_info in enumerate(infos) if same_device(rank_info, info)]
-            lead_only = requested != "auto" and registry.get(requested).serving is Serving.LEAD
+            lead_only = requested != "auto" and registry.get(requested).serving is not Serving.NEAREST
             rank = near[0] if near and not lead_only else 0
         transport = choose_transport(infos[rank], info, requested, worker)
-        if registry.get(transport).serving is Serving.LEAD and rank != 0:
+        serving = registry.get(transport).serving
+        if serving is Serving.EVERY:
+            return 0, transport  # every rank serves it; rank 0 stands for them in its Session
+        if serving is Serving.LEAD and rank != 0:
             raise SettingsError(
                 f"{worker}: mapped to {self.names[rank]} by worker_ranks, but it needs transport {transport!r} (it "
                 f"is not colocated with that rank, or asked for it), which only {self.lead} serves; map it to rank 0 "

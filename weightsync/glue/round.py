@@ -7,8 +7,9 @@ A round, as :class:`Round` runs it::
                                                                     workers' calls starting)
     per worker:        ws_receive(call)
     per worker whose transport cannot tell that the sender finished:
-                       ws_commit(call, send ref, receive ref)       (chained on both answers by
-                                                                    object refs: no round trip)
+                       ws_commit(call, receive ref, *send refs)     (chained on every answer by
+                                                                    object refs: no round trip;
+                                                                    every rank's with owner sends)
     gather once -> each party's final outcome -> all ok, or the failure policy
 
 In push mode a round is one call, to the trainer, which wakes the listening workers
@@ -25,6 +26,7 @@ from typing import Any, NoReturn
 
 from weightsync.core import registry
 from weightsync.core.policy import Verdict, judge
+from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.errors import SyncError
 from weightsync.core.wire.messages import ReceiveResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
@@ -55,15 +57,17 @@ class Round:
         """One round over ``members`` (all workers, or those re-exported)."""
         lead = self.ranks.lead
         calls: dict[tuple[str, str], Any] = {}
+        every = {m.name for m in members if registry.get(m.transport).serving is Serving.EVERY}
         for r, (rank, handle) in enumerate(self.ranks.parties().items()):
-            mine = [m.name for m in members if m.rank == r]
+            mine = [m.name for m in members if m.rank == r or m.name in every]
             calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
         for m in members:
             calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
         chained = {m.name for m in members if not registry.get(m.transport).commits_alone}
         for m in (m for m in members if m.name in chained):
-            sent = calls[(self.ranks.names[m.rank], "send")]
-            calls[(m.name, "commit")] = m.handle.ws_commit.remote(call, sent, calls[(m.name, "receive")])
+            servers = self.ranks.names if m.name in every else [self.ranks.names[m.rank]]
+            sent = [calls[(server, "send")] for server in servers]
+            calls[(m.name, "commit")] = m.handle.ws_commit.remote(call, calls[(m.name, "receive")], *sent)
         outs = self.steps.gather(calls)
         final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
         for m in members:

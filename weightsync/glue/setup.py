@@ -158,6 +158,11 @@ class Setup:
         (also to export the workers whose tensors moved since their export, again)."""
         chosen = list(members)
         for transport in registry.transports():
+            if transport.serving is Serving.EVERY:
+                mine = [m.name for m in chosen if m.transport == transport.name]
+                names = self.ranks.names
+                open_plugin(transport, self.steps, names[0], mine, self.infos, self.options, names)
+                continue
             servers = [0] if transport.serving is Serving.LEAD else range(len(self.ranks.names))
             for rank in servers:
                 mine = [m.name for m in chosen if m.transport == transport.name and m.rank == rank]

@@ -11,6 +11,7 @@ names a transport: ws_open runs whatever action the plug-in it is handed declare
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from weightsync.core.sharded import ShardedSender, has_dtensors
 from weightsync.core.transport.plugin import Plugin
 from weightsync.core.wire.errors import SyncError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import PushResult, SourceLayout, SyncCall
+from weightsync.core.wire.messages import EndpointInfo, PushResult, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
@@ -59,7 +60,12 @@ class TrainerMixin:
         return sender.name if sender is not None else TRAINER_PARTY
 
     def ws_describe(self) -> Outcome:
-        return answer(self._me(), "describe", describe, self.weightsync_device(), True)
+        def run() -> EndpointInfo:
+            info = describe(self.weightsync_device(), True)
+            sender = self._ws()
+            return replace(info, shards=sender.shards()) if isinstance(sender, ShardedSender) else info
+
+        return answer(self._me(), "describe", run)
 
     def ws_manifest(
         self,

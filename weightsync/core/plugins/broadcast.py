@@ -78,13 +78,13 @@ def open_broadcast(opening: Opening) -> None:
     opening.step(requests, "forming the broadcast group")
 
 
-def _store(side: TrainerSide, world_size: int, host: str) -> tuple[str, int]:
+def rendezvous_store(side: TrainerSide, world_size: int, host: str) -> tuple[str, int]:
     store = open_store(host, 0, world_size, side.session.timeout_s)
     side.extras["store"] = store
     return host, int(store.port)
 
 
-def _nccl_id(side: TrainerSide) -> bytes:
+def nccl_unique_id(side: TrainerSide) -> bytes:
     from weightsync.core.transport.nccl import make_unique_id
 
     return make_unique_id()
@@ -130,7 +130,7 @@ def usable_here() -> list[tuple[str, str | None]]:
 BROADCAST = Transport(
     name="broadcast",
     open=open_broadcast,
-    trainer_actions={"store": _store, "nccl id": _nccl_id, "join": _join_trainer},
+    trainer_actions={"store": rendezvous_store, "nccl id": nccl_unique_id, "join": _join_trainer},
     worker_actions={"join": _join_worker},
     send_half=BroadcastSender,
     receive_half=BroadcastReceiver,

@@ -67,10 +67,19 @@ class Sources:
     use, and plan nothing on their addresses (``key`` is None).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], key: object, streamed: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        key: object,
+        streamed: bool = False,
+        local: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         self.tensors = tensors
         self.key = key
         self.streamed = streamed
+        #: The tensors as this party holds them (a sharded rank's DTensors, not gathered;
+        #: by default ``tensors``), for a transport that sends only what each rank owns.
+        self.local = tensors if local is None else local
 
 
 class SendHalf(abc.ABC):

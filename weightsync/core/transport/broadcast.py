@@ -77,7 +77,10 @@ class Communicator(Protocol):
         """Release the group after a clean finish."""
 
 
-class _PackedBroadcast:
+class PackedGroup:
+    """One broadcast group as a sync sees it: its members, streams, the agreement of the
+    current sync and the operations in flight (the owners transport keeps one per rank)."""
+
     def __init__(self, comm: Communicator, session: Session, members: Sequence[str]) -> None:
         if len(members) != comm.world_size:
             raise WeightSyncError(f"broadcast group of {comm.world_size} ranks given {len(members)} member names")
@@ -92,7 +95,7 @@ class _PackedBroadcast:
         self.lane = nbuf
         self._buffers: list[torch.Tensor] = []
         self._scratch: torch.Tensor | None = None
-        self._in_flight: list[Work] = []
+        self.in_flight: list[Work] = []
         # This sync's agreement: "" (not yet), "asked", "refused" (nothing moved), "moving".
         self._agreement = ""
         self._broken = False
@@ -119,7 +122,7 @@ class _PackedBroadcast:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.comm.device)
         return self._scratch
 
-    def _agree(self, deadline: float) -> None:
+    def agree(self, deadline: float) -> None:
         self._agreement = "asked"
         try:
             refused = self.comm.agree(False, deadline)
@@ -131,6 +134,11 @@ class _PackedBroadcast:
             names = [self.members[r] for r in refused]
             raise PeerAborted(f"{self.me}: {', '.join(names)} refused the sync before any byte moved", blames=names)
         self._agreement = "moving"
+
+    def done(self) -> None:
+        """This sync finished on this rank: nothing in flight, the next sync agrees anew."""
+        self.in_flight.clear()
+        self._agreement = ""
 
     def abort(self) -> None:
         """Before this sync's agreement: refuse in it (every rank stops, the group survives).
@@ -146,11 +154,11 @@ class _PackedBroadcast:
             except Exception as exc:  # noqa: BLE001 - already failing; the group is aborted below
                 log.warning("weightsync: %s could not refuse in the agreement (%s); aborting the group", self.me, exc)
         self._broken = True
-        self._in_flight.clear()
+        self.in_flight.clear()
         self.comm.abort()
 
     def close(self, abort: bool = False) -> None:
-        self._in_flight.clear()
+        self.in_flight.clear()
         if abort or self._broken:
             self._broken = True
             self.comm.abort()
@@ -158,7 +166,7 @@ class _PackedBroadcast:
             self.comm.close()
 
 
-class BroadcastSender(_PackedBroadcast, SendHalf):
+class BroadcastSender(PackedGroup, SendHalf):
     """Rank 0's side: agree, then broadcast every chunk of the broadcast plan."""
 
     kind = "broadcast"
@@ -168,7 +176,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
         return self.members[1:]
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
-        self._agree(deadline)
+        self.agree(deadline)
         nbuf = self.manifest.agreed.num_buffers
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
@@ -187,7 +195,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
                         checksums.append(contiguous_checksum(wire))
                     work = self.comm.broadcast(as_bytes(wire), 0, self.streams.stream_pointer(self.lane))
                 inplace.append((work, wire))
-                self._in_flight.append(work)
+                self.in_flight.append(work)
                 continue
             slot = packed % nbuf
             packed += 1
@@ -203,7 +211,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
                     checksums.append(byte_checksum(buffer, chunk.nbytes))
                 work = self.comm.broadcast(buffer[: chunk.nbytes], 0, self.streams.stream_pointer(slot))
                 in_flight[slot] = work
-                self._in_flight.append(work)
+                self.in_flight.append(work)
         for last in in_flight:
             if last is not None:
                 last.wait(deadline)
@@ -211,8 +219,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
             work.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
         inplace.clear()
-        self._in_flight.clear()
-        self._agreement = ""
+        self.done()
         return checksums, ()
 
     def _wire_tensor(self, chunk: Chunk, sources: Sources) -> torch.Tensor:
@@ -226,7 +233,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
         return f"{self.me}: {what} did not complete in time; a peer in the group is dead, stuck or too slow"
 
 
-class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
+class BroadcastReceiver(PackedGroup, ReceiveHalf):
     """Ranks 1..N: agree, then receive every chunk of the broadcast plan into the sink."""
 
     kind = "broadcast"
@@ -269,7 +276,7 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
                 packed += 1
             else:
                 resource.append(None if target is not None else -1)
-        self._agree(deadline)
+        self.agree(deadline)
         begin()
         posted: dict[int, Work] = {}
         busy: set[int] = set()
@@ -293,7 +300,7 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
                 with self.streams.use(lane):
                     work = self.comm.broadcast(target, 0, self.streams.stream_pointer(lane))
                 posted[ahead] = work
-                self._in_flight.append(work)
+                self.in_flight.append(work)
                 if held is not None:
                     busy.add(held)
                 ahead += 1
@@ -321,6 +328,5 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
                     busy.discard(held)
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
-        self._in_flight.clear()
-        self._agreement = ""
+        self.done()
         return checksums, ()

@@ -57,6 +57,10 @@ class Serving(str, enum.Enum):
     NEAREST = "nearest"
     """The rank on the worker's device (or ``worker_ranks[name]``): colocated transports."""
 
+    EVERY = "every"
+    """Every rank at once, each sending its own part (owner sends): opened once, by the
+    lead, with every rank among the servers; a worker commits on every rank's answer."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
@@ -77,6 +81,11 @@ class Opening(Protocol):
     @property
     def server(self) -> str:
         """The trainer party serving :attr:`members` (``trainer`` or ``trainer-rank-<i>``)."""
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """Every trainer party serving :attr:`members`: ``(server,)``, or with
+        ``Serving.EVERY`` every rank in rank order."""
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -103,6 +112,9 @@ class TrainerSide(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The party's tensors as it holds them (a sharded rank's DTensors, not gathered)."""
 
     #: What one setup step leaves for a later one (a rendezvous store, a pusher); closed
     #: (when it has ``close()``) and cleared with the party's transports.

@@ -37,9 +37,16 @@ class EndpointInfo:
     #: Memory this party could give to buffers (weightsync.core.wire.sizing.free_memory_bytes),
     #: for ``buffer_bytes="auto"``; None when it could not tell.
     free_bytes: int | None = None
+    #: A trainer party's layout, for transports that send from shards: "none" (not a rank of
+    #: a sharded trainer), "owned" (every tensor Shard(0) over a 1-D mesh, Replicate or plain:
+    #: each rank can send what it holds), "other" (another layout: only gathering serves it).
+    shards: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(
+            self.shards in ("none", "owned", "other"), f"endpoint shards must be none/owned/other, got {self.shards!r}"
+        )
         _require(
             self.free_bytes is None or (_is_int(self.free_bytes) and self.free_bytes >= 0),
             f"endpoint free_bytes must be None or a non-negative int, got {self.free_bytes!r}",

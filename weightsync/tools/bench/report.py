@@ -94,6 +94,25 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
             f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
             f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
         )
+    return lines + _sharded_ratios(cases, size, receivers)
+
+
+def _sharded_ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
+    """Owner sends against the gather path and against the unsharded trainer, per rank count:
+    the other's time over owner sends' (above 1x: owner sends are faster)."""
+    lines = []
+    plain = _find(cases, size, f"weightsync broadcast, {receivers} receiver")
+    for owners in (c for c in cases if c.size == size and c.name.startswith("sharded ") and ": owners" in c.name):
+        ranks = owners.name.split(":")[0]
+        for label, base in (
+            (f"{ranks}: owners vs gather", _find(cases, size, f"{ranks}: broadcast")),
+            (f"{ranks}: owners vs unsharded bc", plain),
+        ):
+            if base is not None:
+                lines.append(
+                    f"{size:>6} ratio {label:<38} {base.median / owners.median:6.2f}x  "
+                    f"({base.median * 1e3:.2f} ms against {owners.median * 1e3:.2f} ms)"
+                )
     return lines
 
 

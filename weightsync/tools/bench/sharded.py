@@ -6,6 +6,7 @@ user's trainer does; then each case syncs through the real product path
 (``WeightSync(ranks, workers)``) to the very workers the unsharded trainer just synced in
 the same run, so the rows compare directly:
 
+* ``owners``: owner sends, every rank broadcasts the rows it holds to every worker (no gather);
 * ``broadcast``: the ranks gather bucket by bucket, rank 0 broadcasts to every worker;
 * ``direct`` / ``ipc``: the first worker, colocated (same node: shared memory), served by
   rank 0, which gathers and writes it.
@@ -81,10 +82,12 @@ def sharded_cases(bench: Timer, size: str, workers: list[Any], nbytes: int, limi
         ranks = trainer_ranks(ShardedPolicyFactory(size, 0, bench.timeout), world, actor_options={"num_cpus": 0})
         try:
             bench.get([r.pid.remote() for r in ranks])  # built and sharded before anything is timed
-            for transport in ("broadcast", "direct", "ipc"):
-                if transport in bench.args.transports:
-                    members = workers if transport == "broadcast" else workers[:1]
-                    _one_case(bench, size, ranks, transport, members, nbytes, limits.get(transport))
+            for transport in ("owners", "broadcast", "direct", "ipc"):
+                # Owner sends serve what broadcast serves: they run whenever broadcast does.
+                asked = "broadcast" if transport == "owners" else transport
+                if asked in bench.args.transports:
+                    members = workers if asked == "broadcast" else workers[:1]
+                    _one_case(bench, size, ranks, transport, members, nbytes, limits.get(asked))
         finally:
             for handle in ranks:
                 ray.kill(handle)
@@ -113,7 +116,7 @@ def _one_case(
         num_buffers=2,
         timeout_s=bench.timeout,
     )
-    recv = f", {len(members)} recv" if transport == "broadcast" else ""
+    recv = f", {len(members)} recv" if transport in ("broadcast", "owners") else ""
     name = f"sharded {world} ranks: {transport}{recv}"
     try:
         ws.setup()

@@ -1,0 +1,240 @@
+"""Owner sends: every rank of a sharded trainer (FSDP2 over gloo on CPU) broadcasts only the
+rows it holds, each worker assembles them in place; the plan, the choice, bit-exact syncs
+beside colocated transports, refusals and a rank killed mid-sync.
+
+The ranks are started once for the module; the test that kills a rank runs last.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+import ray
+
+from tests import fsdp_model as fm
+from tests.conftest import RAY_TIMEOUT, ActorPool
+from tests.helpers import assert_bit_equal
+from weightsync import WeightSync, WorkerActor
+from weightsync.core.choice import choose_transport
+from weightsync.core.owned_plan import OwnedLayout, plan, row_span
+from weightsync.core.wire import EndpointInfo
+from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
+from weightsync.core.wire.manifest import Manifest, TensorSpec
+from weightsync.glue.actors import TrainerHost
+from weightsync.glue.ranks import RankSpec
+
+SHAPE = {"vocab": 64, "dim": 128, "blocks": 8}
+BUFFER = 128 * 1024
+
+
+def get(ref: Any) -> Any:
+    return ray.get(ref, timeout=RAY_TIMEOUT)
+
+
+# --- the plan (no Ray) ----------------------------------------------------------------------
+
+
+def _manifest(shapes: list[tuple[int, ...]], buffer_bytes: int = 4096, inplace_bytes: int = 0) -> Manifest:
+    specs = [TensorSpec(f"t{i}", shape, "float32") for i, shape in enumerate(shapes)]
+    return Manifest.build(specs, buffer_bytes=buffer_bytes, num_buffers=2, inplace_bytes=inplace_bytes)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("inplace_bytes", [0, 64])
+def test_the_plan_sends_every_byte_once_from_its_owner_at_aligned_offsets(ranks: int, inplace_bytes: int) -> None:
+    rng = random.Random(ranks)
+    shapes = [tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 3))) for _ in range(40)] + [(1000, 3)]
+    manifest = _manifest(shapes, inplace_bytes=inplace_bytes)
+    rows = tuple(bool(s) and rng.random() < 0.7 for s in shapes)
+    buckets = plan(manifest, OwnedLayout(ranks=ranks, rows=rows))
+    assert [i for b in buckets for i in b.indices] == list(range(len(shapes)))
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for bucket in buckets:
+        assert len(bucket.segments) == ranks
+        for r, segment in enumerate(bucket.segments):
+            end = 0
+            for piece in segment.pieces:
+                assert piece.index in bucket.indices
+                assert piece.offset % manifest.agreed.alignment == 0 and piece.offset >= end
+                end = piece.offset + piece.nbytes
+                seen.setdefault(piece.index, []).append((r, piece.start, piece.stop))
+            assert segment.nbytes == end
+            for piece in bucket.inplace[r]:
+                assert piece.index in bucket.indices and piece.offset == 0 and piece.nbytes >= inplace_bytes > 0
+                seen.setdefault(piece.index, []).append((r, piece.start, piece.stop))
+    if inplace_bytes:
+        assert any(b.inplace[r] for b in buckets for r in range(ranks))  # the (1000, 3) tensor at least
+    for i, spec in enumerate(manifest.specs):
+        n = spec.shape[0] if spec.shape else 1
+        pieces = sorted(seen.get(i, []), key=lambda p: p[1])
+        if spec.nbytes == 0:
+            assert len(pieces) == 1, spec  # handed over even though it holds no bytes
+            continue
+        assert [(a, b) for _, a, b in pieces if b > a] == [(a, b) for a, b in _cover(n, ranks if rows[i] else 1)], spec
+        for r, a, b in pieces:
+            if rows[i]:
+                assert (a, b) == row_span(n, ranks, r)
+            else:
+                assert r == i % ranks
+
+
+def _cover(n: int, parts: int) -> list[tuple[int, int]]:
+    spans = [row_span(n, parts, r) for r in range(parts)]
+    return [s for s in spans if s[1] > s[0]]
+
+
+def test_the_plan_refuses_a_layout_of_another_model() -> None:
+    with pytest.raises(SettingsError, match="2 tensor"):
+        plan(_manifest([(4,), (5,), (6,)]), OwnedLayout(ranks=2, rows=(True, False)))
+    with pytest.raises(SettingsError, match="ranks"):
+        OwnedLayout(ranks=0, rows=())
+
+
+def _info(node: str, shards: str = "none") -> EndpointInfo:
+    return EndpointInfo(
+        node_id=node,
+        node_ip="127.0.0.1",
+        hostname=node,
+        pid=1,
+        device="cpu",
+        gpu_uuid=None,
+        sink_allows_direct=True,
+        shards=shards,
+    )
+
+
+def test_auto_picks_owner_sends_only_for_a_trainer_whose_ranks_can_send_what_they_hold() -> None:
+    worker = _info("n2")
+    assert choose_transport(_info("n1", "owned"), worker, "auto", "w") == "owners"
+    assert choose_transport(_info("n1", "other"), worker, "auto", "w") == "broadcast"
+    assert choose_transport(_info("n1"), worker, "auto", "w") == "broadcast"
+    assert choose_transport(_info("n2", "owned"), worker, "auto", "w") == "direct"  # colocated first
+    with pytest.raises(SettingsError, match="not sharded"):
+        choose_transport(_info("n1"), worker, "owners", "w")
+    with pytest.raises(SettingsError, match="Shard"):
+        choose_transport(_info("n1", "other"), worker, "owners", "w")
+
+
+# --- through Ray, with FSDP2 ranks ----------------------------------------------------------
+
+
+class _Rank(TrainerHost):
+    """A TrainerActor that can be told to die while sending its owned segments."""
+
+    def die_at_segment(self, bucket: int) -> None:
+        def hook(index: int) -> None:
+            if index == bucket:
+                os._exit(1)
+
+        self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
+
+    def owned_rows(self) -> tuple[bool, ...]:
+        return self._ws().owned_layout().rows  # type: ignore[attr-defined, no-any-return]
+
+
+Rank: Any = ray.remote(_Rank)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session: None) -> Iterator[ActorPool]:
+    actors = ActorPool()
+    yield actors
+    actors.close()
+
+
+@pytest.fixture(scope="module")
+def two(pool: ActorPool) -> dict[str, Any]:
+    """Two FSDP2 ranks with tied embeddings; two owners workers and two colocated ones."""
+    specs = RankSpec.group(2)
+    ranks = [pool.add(Rank.options(num_cpus=0).remote(partial(fm.fsdp_lm, tied=True, **SHAPE), rank=s)) for s in specs]
+    worker = partial(fm.plain_lm, tied=True, **SHAPE)
+    workers = {name: pool.add(WorkerActor.options(num_cpus=0).remote(worker)) for name in ("o0", "o1", "i1", "d0")}
+    return {"ranks": ranks, "workers": workers}
+
+
+def train(ranks: list[Any], steps: int, seed: int) -> None:
+    losses = get([r.call.remote(fm.train, steps, seed) for r in ranks])
+    assert all(math.isfinite(loss) and loss == losses[0] for loss in losses)
+
+
+def assert_synced(ranks: list[Any], workers: dict[str, Any]) -> None:
+    full = get([r.call.remote(fm.full_state) for r in ranks])[0]  # a collective: every rank takes part
+    for worker, handle in workers.items():
+        held = get(handle.call.remote(fm.state))
+        assert held.keys() == full.keys(), worker
+        for name, tensor in full.items():
+            assert_bit_equal(held[name], tensor, f"{worker}: {name}")
+
+
+MIXED = {"o0": "owners", "o1": "owners", "i1": "ipc", "d0": "direct"}
+
+
+def test_two_ranks_send_what_they_own_bit_exact_beside_colocated_workers(two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], two["workers"]
+    rows = get(ranks[0].owned_rows.remote())
+    assert any(rows) and not all(rows)  # split matrices and whole (replicated or plain) tensors
+    # inplace_bytes: each rank's half of a block's matrices (about 64 KiB) travels in place.
+    with WeightSync(
+        ranks,
+        workers,
+        transport=MIXED,
+        worker_ranks={"i1": 1},
+        buffer_bytes=BUFFER,
+        inplace_bytes=16 * 1024,
+        timeout_s=30,
+    ) as ws:
+        assert ws.transports() == MIXED
+        for version in (1, 2, 3):
+            train(ranks, 1, seed=version)
+            report = ws.sync(version, verify=version == 2)
+            assert {w.version for w in report.workers} == {version}
+            assert report.transports == {"owners": 2, "ipc": 1, "direct": 1}
+            assert_synced(ranks, workers)
+        assert all(get(w.call.remote(fm.tied)) for w in workers.values())
+        ws.verify()
+
+
+def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
+    with WeightSync(ranks, {"o0": workers["o0"]}, transport="owners", buffer_bytes=BUFFER, timeout_s=30) as ahead:
+        ahead.sync(15)  # o0 now holds a version newer than the next sync's
+    with WeightSync(ranks, workers, transport="owners", buffer_bytes=BUFFER, timeout_s=30) as ws:
+        held = get(workers["o1"].call.remote(fm.state))
+        train(ranks, 1, seed=10)
+        with pytest.raises(SyncError) as refused:
+            ws.sync(11)
+        err = refused.value
+        assert err.culprits == ["o0"] and "older" in str(err)
+        assert err.held["o0"] == (15, "committed")
+        assert err.held["o1"][1] == "committed"
+        for name, tensor in get(workers["o1"].call.remote(fm.state)).items():
+            assert_bit_equal(tensor, held[name], name)  # nothing moved to o1 either
+        ws.sync(16)
+        assert_synced(ranks, workers)
+
+
+def test_a_rank_killed_while_sending_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
+    ws = WeightSync(ranks, workers, transport="owners", buffer_bytes=BUFFER, timeout_s=30)
+    ws.sync(20)
+    train(ranks, 1, seed=20)
+    get(ranks[1].die_at_segment.remote(2))
+    with pytest.raises(SyncError) as failed:
+        ws.sync(21)
+    err = failed.value
+    assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead
+    assert "trainer-rank-1" in str(err)
+    # No worker took version 21 from a mixture: each holds version 20, and is dirty when
+    # bytes of 21 landed.
+    assert {name: version for name, (version, _) in err.held.items()} == {"o0": 20, "o1": 20}
+    assert all(state in ("committed", "dirty") for _, state in err.held.values())
+    with pytest.raises(SetupError) as again:
+        ws.sync(22)
+    assert again.value.culprits == ["trainer-rank-1"]
+    ws.close()
