@@ -134,6 +134,13 @@ class _Rank(TrainerHost):
 
         self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
 
+    def walk_stats(self) -> tuple[int, int, int]:
+        """The last sync's buckets gathered, the buckets of one pass over the model, and the
+        most bytes of gathered tensors held at once."""
+        sender = self._ws()
+        walk = sender.last_walk  # type: ignore[attr-defined]
+        return walk.gathered, len(sender._buckets), walk.peak_bytes  # type: ignore[attr-defined]
+
     def owned_rows(self) -> tuple[bool, ...]:
         return self._ws().owned_layout().rows  # type: ignore[attr-defined, no-any-return]
 
@@ -198,6 +205,21 @@ def test_two_ranks_send_what_they_own_bit_exact_beside_colocated_workers(two: di
             assert_synced(ranks, workers)
         assert all(get(w.call.remote(fm.tied)) for w in workers.values())
         ws.verify()
+
+
+def test_a_rank_writes_all_its_direct_workers_from_one_gather(two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "d0")}
+    # A transfer buffer larger than the model, gathers of at most BUFFER bytes.
+    settings = {"buffer_bytes": 64 * BUFFER, "gather_bytes": BUFFER}
+    with WeightSync(ranks, workers, transport="direct", timeout_s=30, **settings) as ws:  # type: ignore[arg-type]
+        assert {ws.transports()[n] for n in workers} == {"direct"}
+        assert ws.manifest.total_bytes < 64 * BUFFER  # type: ignore[union-attr]
+        train(ranks, 1, seed=5)
+        ws.sync(5, verify=True)
+        assert_synced(ranks, workers)
+        gathered, buckets, peak = get(ranks[0].walk_stats.remote())
+        assert buckets > 3 and gathered == buckets  # one pass for two workers and the checksums
+        assert peak <= BUFFER + 64 * 1024  # a bucket of gather_bytes, not of buffer_bytes
 
 
 def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(two: dict[str, Any]) -> None:

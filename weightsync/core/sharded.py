@@ -21,8 +21,9 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
                     peer is left inside a gather
 
 A walk a half needs is one pass in manifest order; each half says how many it makes
-(``SendHalf.walks``): broadcast and ipc one each, direct one per direct worker written
-(plus one for its checksums when verifying).
+(``SendHalf.walks``): broadcast, ipc and direct one each (direct writes every worker of
+the rank, and sums its checksums, from the same pass), owner sends none (each rank sends
+from its own shards).
 
 Waits: the agreement and the common gathers (``Shard(0)`` on a 1-D mesh, as FSDP2 lays
 out, and ``Replicate``) are issued as async collectives and waited with the sync's
@@ -351,7 +352,8 @@ class ShardedSender(WeightSender):
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
         manifest = super().manifest(settings, hints)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
-        self._buckets = plan_buckets(sizes, manifest.agreed.buffer_bytes)
+        budget = settings.gather_bytes if settings.gather_bytes is not None else manifest.agreed.buffer_bytes
+        self._buckets = plan_buckets(sizes, budget)
         return manifest
 
     def checked_sources(self) -> Sources:

@@ -79,6 +79,7 @@ class WeightSync:
         alignment: int | None = None,
         timeout_s: float | None = None,
         verify: bool | None = None,
+        gather_bytes: int | None = None,
         backend: str | None = None,
         worker_ranks: Mapping[str, int] | None = None,
         push: bool = False,
@@ -93,6 +94,7 @@ class WeightSync:
             alignment=alignment,
             timeout_s=timeout_s,
             verify=verify,
+            gather_bytes=gather_bytes,
         )
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")

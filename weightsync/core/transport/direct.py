@@ -251,7 +251,10 @@ class DirectWriter(SendHalf):
         self._mapped[export.worker] = _Mapped(export, destinations, control)
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
-        """Write this sync's direct workers in turn; returns (checksums, workers found stale)."""
+        """Write this sync's direct workers in turn (streamed sources: all of them in one pass);
+        returns (checksums, workers found stale)."""
+        if sources.streamed:
+            return self._send_streamed(sources, call, deadline)
         checksums: list[int] = []
         if call.verify:
             with torch.no_grad():
@@ -263,8 +266,60 @@ class DirectWriter(SendHalf):
         return checksums, stale
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
-        """One pass per worker written, and one for the checksums with ``verify``."""
-        return len(targets) + int(verify)
+        """One pass over streamed sources, whatever the number of workers (see :meth:`_send_streamed`)."""
+        return 1 if targets else 0
+
+    def _send_streamed(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
+        """Streamed sources (a sharded rank's gathers) are read once: every worker announces
+        first, then each tensor, as it is gathered, is checksummed (with ``verify``) and
+        copied into every worker, so a rank serving N workers gathers the model once."""
+        ready: list[_Mapped] = []
+        stale: list[str] = []
+        for worker in call.to(self.kind):
+            mapped = self._announced(worker, call.seq, deadline)
+            if mapped is None:
+                stale.append(worker)
+            else:
+                ready.append(mapped)
+        sums: list[torch.Tensor] = []
+        self._streams.wait_for(0, self._streams.caller_stream())
+        with torch.no_grad(), self._streams.use(0):
+            for index, (spec, source) in enumerate(zip(self.manifest.specs, sources.tensors)):
+                if call.verify:
+                    sums.append(word_sum(source.to(spec.torch_dtype)))
+                for mapped in ready:
+                    destination = mapped.destinations[index]
+                    if destination is not None:
+                        destination.copy_(source)
+        self._streams.drain(deadline, f"{self.name}: writing into {len(ready)} direct worker(s) timed out", own=True)
+        checksums = read_checksums(sums) if call.verify else []
+        for mapped in ready:
+            self._publish(mapped.control, call.seq, checksums)
+        return checksums, tuple(stale)
+
+    def _announced(self, worker: str, seq: int, deadline: float) -> _Mapped | None:
+        """``worker``'s mapping once it announced sync ``seq``; None when it announced that its
+        tensors moved since its export (nothing may be written)."""
+        mapped = self._mapped.get(worker)
+        if mapped is None:
+            raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
+        control = mapped.control
+        control.wait(
+            lambda: abs(control[_ANNOUNCED]) == seq + 1,
+            deadline,
+            self.name,
+            lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
+            [self.name, worker],
+            peer_pid=lambda: control[_TARGET_PID],
+            late=lambda: [worker],
+        )
+        return None if control[_ANNOUNCED] < 0 else mapped
+
+    @staticmethod
+    def _publish(control: ControlBlock, seq: int, checksums: Sequence[int]) -> None:
+        for index, checksum in enumerate(checksums):
+            control[_FIRST_CHECKSUM + index] = _signed(checksum)
+        control[_WRITTEN] = seq + 1
 
     def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker
@@ -273,7 +328,6 @@ class DirectWriter(SendHalf):
         mapped = self._mapped.get(worker)
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
-        control = mapped.control
         # Everything that does not depend on the worker runs before its announcement is
         # checked: the plan, and ordering the copy stream after the caller's work.
         copier = None if sources.streamed else self._copier
@@ -284,16 +338,7 @@ class DirectWriter(SendHalf):
             if plan is None or (plan.key is not key and plan.key != key):
                 plan = mapped.plan = copier.plan(mapped.destinations, tensors, key)  # type: ignore[arg-type]
         self._streams.wait_for(0, self._streams.caller_stream())
-        control.wait(
-            lambda: abs(control[_ANNOUNCED]) == seq + 1,
-            deadline,
-            self.name,
-            lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
-            [self.name, worker],
-            peer_pid=lambda: control[_TARGET_PID],
-            late=lambda: [worker],
-        )
-        if control[_ANNOUNCED] < 0:
+        if self._announced(worker, seq, deadline) is None:
             return False
         with torch.no_grad():  # sources may be parameters that require grad
             if copier is not None and plan is not None:
@@ -304,9 +349,7 @@ class DirectWriter(SendHalf):
                         if destination is not None:
                             destination.copy_(source)
         self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out", own=True)
-        for index, checksum in enumerate(checksums):
-            control[_FIRST_CHECKSUM + index] = _signed(checksum)
-        control[_WRITTEN] = seq + 1
+        self._publish(mapped.control, seq, checksums)
         return True
 
     def abort(self) -> None:

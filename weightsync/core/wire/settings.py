@@ -101,8 +101,18 @@ class SyncSettings:
     """Check each sync's bytes on the worker before it commits (chunk checksums for ipc and
     broadcast, per-tensor checksums for direct)."""
 
+    gather_bytes: int | None = None
+    """Sharded trainers only: the most bytes of full tensors a rank gathers at once (one
+    bucket; a larger tensor is gathered alone), which bounds the rank's extra memory.
+    None: as large as one buffer. Set it to keep gathers small under a large transfer
+    buffer; each rank's own, not part of the Manifest."""
+
     def __post_init__(self) -> None:
         check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes, auto=True)
+        if self.gather_bytes is not None and (
+            not isinstance(self.gather_bytes, int) or isinstance(self.gather_bytes, bool) or self.gather_bytes < 1
+        ):
+            raise SettingsError(f"gather_bytes must be None or a positive number of bytes, got {self.gather_bytes!r}")
         object.__setattr__(self, "timeout_s", check_timeout(self.timeout_s))
         if not isinstance(self.verify, bool):
             raise SettingsError(f"verify must be True or False, got {self.verify!r}")
