@@ -153,7 +153,7 @@ class Bench:
                 return
 
             note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
-            case = Case(size, name, nbytes, built.agreed.buffer_bytes // MIB, nbuf, limit_s=limit, note=note)
+            case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, nbuf, limit_s=limit, note=note)
 
             def one() -> float:
                 report = ws.sync(self.next_version())
