@@ -123,7 +123,7 @@ def doctor(args: argparse.Namespace) -> int:
 
         _print(f"ray {ray.__version__}")
     except ImportError as exc:
-        _print(f"ray: not importable ({exc}); pip install ray")
+        _print(f"ray: not importable ({exc}); set up .venv with `bash scripts/run.sh demo` and run .venv/bin/python")
         return 1
     try:
         import cupy
@@ -133,7 +133,9 @@ def doctor(args: argparse.Namespace) -> int:
         version = nccl_version()
         _print(f"cupy {cupy.__version__}; NCCL {version or 'not loadable'}")
     except ImportError:
-        _print("cupy: not installed (GPU broadcast needs weightsync[cuda12] or [cuda13])")
+        _print(
+            "cupy: not installed (GPU broadcast needs the cuda12 or cuda13 extra; scripts/run.sh adds it on a GPU machine)"
+        )
     from weightsync.core.transport.shm import SHM_DIR, leftover_segments
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

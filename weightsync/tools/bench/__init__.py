@@ -1,4 +1,4 @@
-"""``python -m weightsync bench``: sync speed next to baselines and the hardware limit.
+"""``.venv/bin/python -m weightsync bench``: sync speed next to baselines and the hardware limit.
 
 Everything is measured in one run, on one cluster, with the same actors:
 

@@ -136,7 +136,7 @@ def plot(cases: list[Case], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed (pip install 'weightsync[plot]'); no plot written")
+        print("matplotlib not installed (.venv/bin/python -m pip install -e '.[plot]'); no plot written")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for size in dict.fromkeys(c.size for c in cases):
