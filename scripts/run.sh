@@ -59,10 +59,10 @@ case "$what" in
 esac
 need="${need}${WEIGHTSYNC_EXTRAS:+${need:+,}$WEIGHTSYNC_EXTRAS}"
 
-# pip's own output, shortened to what is being fetched (numbered: name and version, also for a
-# wheel taken from local disk) and installed.
+# pip's own output, unbuffered (each line as it happens) and shortened to what is being fetched
+# (numbered: name and version, also for a wheel taken from local disk) and installed.
 pip_install() {
-  "$py" -m pip install --disable-pip-version-check --progress-bar off "$@" | awk '
+  "$py" -u -m pip install --disable-pip-version-check --progress-bar off "$@" | awk '
     /^Collecting /                    { n++; printf "  [%d] %s\n", n, $2; fflush(); next }
     /^Processing .*\.(whl|tar\.gz|zip)/ {
                                         f = $2; sub(/.*\//, "", f); split(f, q, "-")
