@@ -6,7 +6,8 @@ workers. NCCL is never used on a shared GPU (it refuses two ranks there).
 
     .venv/bin/python examples/colocated_gpu.py   # on a machine with a GPU
 
-Without a GPU in the cluster it says so and exits with status 2.
+Without a GPU (on this machine, or in the cluster it joins through RAY_ADDRESS) it says so in
+one line and exits with status 2, before starting Ray.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import weightsync
 from weightsync.tools.cluster import connect, missing_gpus
 from weightsync.tools.models import PolicyFactory, train_step
+from weightsync.tools.preflight import no_local_gpu
 
 
 def main(workers: int = 2) -> int:
+    problem = no_local_gpu("examples/colocated_gpu.py")
+    if problem:
+        print(problem, flush=True)
+        return 2
     connect()
     problem = missing_gpus(1, "examples/colocated_gpu.py")
     if problem:
@@ -41,7 +47,8 @@ def main(workers: int = 2) -> int:
         for step in range(1, 4):
             ray.get(trainer.call.remote(train_step, step), timeout=120)
             print(ws.sync(version=step).summary())
-        ws.verify()
+        digest = ws.verify()
+        print(f"verified: every worker equals the trainer, tensor by tensor (digest {digest[:12]})")
     return 0
 
 

@@ -1,6 +1,6 @@
 """A sharded trainer as the sync source: FSDP2 ranks (gloo, CPU) train and sync to workers.
 
-python examples/fsdp_trainer.py            # from the repository root; CPU, about a minute
+    .venv/bin/python examples/fsdp_trainer.py   # from the repository root; CPU, about a minute
 
 Two trainer ranks build the model and shard it with FSDP2 inside their actors (each joins
 the process group from the RankSpec that ``trainer_ranks`` gives it), train a few steps and

@@ -1,8 +1,8 @@
 """A Hugging Face causal LM trained in fp32 and served in bf16, synced after every step.
 
-    python examples/hf_transformers.py                       # Llama-style, CPU, 2 workers
-    python examples/hf_transformers.py --family qwen2 --transport broadcast
-    python examples/hf_transformers.py --device cuda         # colocated on one GPU: direct
+    .venv/bin/python examples/hf_transformers.py                # Llama-style, CPU, 2 workers
+    .venv/bin/python examples/hf_transformers.py --family qwen2 --transport broadcast
+    .venv/bin/python examples/hf_transformers.py --device cuda  # colocated on one GPU: direct
 
 The model is built from a config (nothing is downloaded; swap in ``from_pretrained`` on a
 machine that has the checkpoint). What it shows:
@@ -13,7 +13,8 @@ machine that has the checkpoint). What it shows:
   workers (``lm_head.weight`` is the same tensor as ``embed_tokens.weight`` there);
 * each worker is checked bit for bit against the trainer's weights cast to bf16.
 
-Needs ``pip install transformers`` (the ``hf`` extra).
+Needs transformers (the ``hf`` extra): ``.venv/bin/python -m pip install -e ".[hf]"`` (the test
+set-up, ``bash scripts/run.sh test``, installs it too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 import weightsync
 from weightsync.tools.cluster import connect, missing_gpus
+from weightsync.tools.preflight import no_local_gpu
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 
@@ -140,13 +142,21 @@ def run(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--transport", choices=["auto", "direct", "ipc", "broadcast"], default="auto")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="the transformers model family")
+    parser.add_argument("--workers", type=int, default=2, help="inference workers (bf16)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync and a check")
+    parser.add_argument(
+        "--transport", choices=["auto", "direct", "ipc", "broadcast"], default="auto", help="how every worker is synced"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer and workers run")
     args = parser.parse_args()
+    problem = no_local_gpu("examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
+    if problem:
+        print(problem, flush=True)
+        return 2
     connect()
     problem = missing_gpus(1, "examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
     if problem:

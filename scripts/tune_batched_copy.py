@@ -4,7 +4,7 @@
 its defaults (256 threads per block, 16 KiB per block) were chosen on the H200. On another
 GPU, run this and compare::
 
-    python scripts/tune_batched_copy.py --size 16gb --threads 256,512,1024 --unit-kib 8,16,32,64,128
+    .venv/bin/python scripts/tune_batched_copy.py --size 16gb --threads 256,512,1024 --unit-kib 8,16,32,64,128
 
 Prints GPU time (CUDA events, median and min of ``--repeats``) for one flat copy of the
 same bytes (the hardware figure), one ``copy_`` per tensor, and the kernel at each

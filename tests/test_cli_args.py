@@ -51,3 +51,33 @@ def test_good_values_parse() -> None:
     assert bench.sharded_ranks is None  # the run picks its default (CPU: 2 ranks)
     ranks = build_parser().parse_args(["bench", "--sharded-ranks", "2,3"]).sharded_ranks
     assert (ranks, build_parser().parse_args(["bench", "--sharded-ranks", "none"]).sharded_ranks) == ([2, 3], [])
+
+
+def test_sharded_bench_rows_use_the_library_default_unless_buffer_mib_is_given() -> None:
+    from weightsync.tools.bench.sharded import sharded_buffer_bytes
+
+    plain = build_parser().parse_args(["bench"])
+    plain.buffer_mib_given = plain.buffer_mib is not None  # what the bench's run() records
+    assert sharded_buffer_bytes(plain) == "auto"
+    asked = build_parser().parse_args(["bench", "--buffer-mib", "64,256"])
+    asked.buffer_mib_given = asked.buffer_mib is not None
+    assert sharded_buffer_bytes(asked) == 64 * 1024 * 1024
+
+
+def test_the_bench_mib_column_shows_buffers_under_one_mib() -> None:
+    from weightsync.tools.bench.report import mib_column
+
+    assert mib_column(None) == ""
+    assert mib_column(0.9375) == "0.938"  # a 1 MB model's "auto" buffer: not blank
+    assert (mib_column(16.0), mib_column(2048.0)) == ("16", "2048")
+
+
+def test_ray_workers_get_the_checkout_on_their_path_not_the_package_folder() -> None:
+    # With the package folder itself on PYTHONPATH, `import vllm` in a worker finds
+    # weightsync/vllm instead of vLLM.
+    from pathlib import Path
+
+    from weightsync.tools import cluster
+
+    root = Path(cluster._PROJECT_ROOT)
+    assert (root / "weightsync" / "__init__.py").is_file(), root

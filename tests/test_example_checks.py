@@ -32,3 +32,17 @@ def test_an_example_without_what_it_needs_exits_2_naming_it(
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
     assert example[0] in lines[0] and any(need in lines[0] for need in needs), lines[0]
+
+
+@pytest.mark.parametrize(
+    "example", [["examples/colocated_gpu.py"], ["examples/hf_transformers.py", "--device", "cuda"]]
+)
+def test_an_example_that_would_start_its_own_ray_says_no_gpu_before_starting_it(example: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, *example], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and example[0] in lines[0] and "GPU" in lines[0], proc.stdout
+    # Ray never started: it logs where its local instance runs when it does.
+    assert "Ray instance" not in proc.stderr, proc.stderr[-2000:]

@@ -1,4 +1,8 @@
-"""``python -m weightsync demo | bench | doctor | cluster``."""
+"""weightsync's command line: demo, bench, doctor, cluster.
+
+Run it from the repository root after the set-up (``bash scripts/run.sh demo``) as
+``.venv/bin/python -m weightsync <command> --help``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from weightsync.core import registry
 from weightsync.core.choice import requests
 from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
-from weightsync.tools.cli_types import mib, positive_int
+from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
 
 
@@ -119,7 +123,7 @@ def doctor(args: argparse.Namespace) -> int:
 
         _print(f"ray {ray.__version__}")
     except ImportError as exc:
-        _print(f"ray: not importable ({exc}); pip install ray")
+        _print(f"ray: not importable ({exc}); set up .venv with `bash scripts/run.sh demo` and run .venv/bin/python")
         return 1
     try:
         import cupy
@@ -129,7 +133,9 @@ def doctor(args: argparse.Namespace) -> int:
         version = nccl_version()
         _print(f"cupy {cupy.__version__}; NCCL {version or 'not loadable'}")
     except ImportError:
-        _print("cupy: not installed (GPU broadcast needs weightsync[cuda12] or [cuda13])")
+        _print(
+            "cupy: not installed (GPU broadcast needs the cuda12 or cuda13 extra; scripts/run.sh adds it on a GPU machine)"
+        )
     from weightsync.core.transport.shm import SHM_DIR, leftover_segments
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -152,40 +158,86 @@ def doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m weightsync", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+Move model weights from a trainer to inference workers (Ray actors), and try it here.
 
-    d = sub.add_parser("demo", help="train a small policy and sync it to workers after every step")
+Run from the repository root after `bash scripts/run.sh demo` has set up .venv, e.g.
+  .venv/bin/python -m weightsync demo --workers 3 --transport broadcast
+  .venv/bin/python -m weightsync bench --help
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=".venv/bin/python -m weightsync",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,doctor,cluster}")
+
+    d = sub.add_parser(
+        "demo",
+        help="train a small policy and sync it to workers after every step",
+        description=demo.__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
     d.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
-    d.add_argument("--workers", type=positive_int, default=2)
-    d.add_argument("--transport", default="auto", choices=requests())
-    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    d.add_argument("--workers", type=positive_int, default=2, help="inference workers to sync to")
+    d.add_argument(
+        "--transport",
+        default="auto",
+        choices=requests(),
+        help="how every worker is synced; auto picks per worker (direct, ipc or broadcast)",
+    )
+    d.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the trainer and workers hold the model"
+    )
     d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
-    d.add_argument("--size", default="30mb", choices=list(SIZES))
+    d.add_argument("--size", default="30mb", choices=list(SIZES), help="the policy's size (bytes of its weights)")
     d.add_argument(
         "--buffer-mib", type=mib, default=None, help="buffer size in MiB (default: auto, sized from the model)"
     )
-    d.add_argument("--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS)
+    d.add_argument(
+        "--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS, help="buffers in rotation (1 serializes)"
+    )
     d.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
-    d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync")
-    d.add_argument("--num-cpus", type=int, default=None, help="CPUs for an embedded cluster")
-    d.add_argument("--json", help="write the per-step reports here")
+    d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync (default: off)")
+    d.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"
+    )
+    d.add_argument("--json", help="write the per-step reports to this file (default: not written)")
     d.set_defaults(func=demo)
 
-    b = sub.add_parser("bench", help="measure sync speed against baselines and the hardware limit")
+    b = sub.add_parser(
+        "bench",
+        help="measure sync speed against baselines and the hardware limit",
+        description="Measure sync speed against baselines and the hardware limit (docs/benchmarks.md).",
+        formatter_class=DefaultsHelpFormatter,
+    )
     from weightsync.tools.bench import add_arguments
 
     add_arguments(b)
 
-    c = sub.add_parser("cluster", help="a local Ray head (loopback, token auth) and job submission to it")
+    c = sub.add_parser(
+        "cluster",
+        help="a local Ray head (loopback, token auth) and job submission to it",
+        description="A local Ray head (loopback, token auth, job server) and job submission to it.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     from weightsync.tools.cluster_cli import add_arguments as add_cluster_arguments
 
     add_cluster_arguments(c)
 
-    doc = sub.add_parser("doctor", help="versions, devices, and which transports work here")
-    doc.add_argument("--ray", action="store_true", help="also start (or join) Ray and list its resources")
-    doc.add_argument("--address")
+    doc = sub.add_parser(
+        "doctor",
+        help="versions, devices, and which transports work here",
+        description=doctor.__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    doc.add_argument(
+        "--ray", action="store_true", help="also start (or join) Ray and list its resources (default: off)"
+    )
+    doc.add_argument("--address", help="with --ray: join this Ray cluster (default: $RAY_ADDRESS, else start one)")
     doc.set_defaults(func=doctor)
     return parser
 

@@ -58,3 +58,14 @@ def positive_int_list(value: str) -> list[int]:
 def positive_int_list_or_none(value: str) -> list[int]:
     """``none`` (an empty list: the cases are off) or comma-separated whole numbers, each at least 1."""
     return [] if value.strip().lower() == "none" else positive_int_list(value)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default
+    or there is nothing to say (no default, or a flag that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "default" in help_text or action.default in (None, False, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)

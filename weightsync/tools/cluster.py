@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: weightsync/tools/cluster.py
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:

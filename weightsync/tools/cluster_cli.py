@@ -1,9 +1,11 @@
-"""``python -m weightsync cluster start | submit | env | stop``: a local head and jobs on it.
+"""``cluster start | submit | env | stop``: a local head and jobs on it.
 
-    python -m weightsync cluster start                  # loopback head, token auth, job server
-    python -m weightsync cluster submit -- python -m weightsync demo --workers 2
-    eval "$(python -m weightsync cluster env)"          # then plain `ray job submit ...` works
-    python -m weightsync cluster stop                   # stops this head only
+From the repository root::
+
+    bash scripts/run.sh cluster start                 # loopback head, token auth, job server
+    bash scripts/run.sh cluster submit -- python -m weightsync demo --workers 2
+    eval "$(bash scripts/run.sh cluster env)"         # then plain `.venv/bin/ray job submit ...` works
+    bash scripts/run.sh cluster stop                  # stops this head only
 
 ``submit`` also takes ``--address URL --token-file FILE`` for a head it did not start.
 """
@@ -17,14 +19,35 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from weightsync.tools.cli_types import DefaultsHelpFormatter
 from weightsync.tools.head import HeadError, HeadInfo, default_directory, read_info, start_head, stop_head
 from weightsync.tools.jobs import JobServer
+
+#: Left out of the uploaded working directory (Ray itself leaves out ``.git``): caches and the
+#: virtual environment, which the head has already.
+UPLOAD_EXCLUDES = (
+    ".venv/",
+    ".hypothesis/",
+    ".pytest_cache/",
+    ".mypy_cache/",
+    ".ruff_cache/",
+    "__pycache__/",
+    ".devsite/",
+)
+
+
+def job_runtime_env(working_dir: str, extra_json: str | None = None) -> dict[str, Any]:
+    """The job's runtime env: ``working_dir`` uploaded without :data:`UPLOAD_EXCLUDES`, then
+    ``--runtime-env-json`` merged over it (its ``excludes``, if any, replace these)."""
+    runtime_env: dict[str, Any] = {"working_dir": working_dir, "excludes": list(UPLOAD_EXCLUDES)}
+    runtime_env.update(json.loads(extra_json) if extra_json else {})
+    return runtime_env
 
 
 def _running_head(directory: Path) -> HeadInfo:
     info = read_info(directory)
     if info is None:
-        raise HeadError(f"no head recorded in {directory}: start one with `python -m weightsync cluster start`")
+        raise HeadError(f"no head recorded in {directory}: start one with `bash scripts/run.sh cluster start`")
     return info
 
 
@@ -33,11 +56,14 @@ def _start(args: argparse.Namespace) -> int:
     info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout)
     print(f"head running: pid {info.pid}, GCS {info.gcs_address}, job server {info.dashboard_url}")
     print(f"token: {info.token_path} (mode 0600); ray start's output: {args.dir / 'head.log'}")
-    print("submit:  python -m weightsync cluster submit -- python -m weightsync demo --workers 2")
+    where = f" --dir {shlex.quote(str(args.dir))}" if args.dir != default_directory() else ""
+    print("from the repository root:")
+    print(f"submit:  bash scripts/run.sh cluster submit{where} -- python -m weightsync demo --workers 2")
     print(
-        f'or:      eval "$(python -m weightsync cluster env --dir {args.dir})"; ray job submit --working-dir . -- ...'
+        f'or:      eval "$(bash scripts/run.sh cluster env{where})"; '
+        ".venv/bin/ray job submit --working-dir . -- python -m weightsync demo --workers 2"
     )
-    print(f"stop:    python -m weightsync cluster stop --dir {args.dir}")
+    print(f"stop:    bash scripts/run.sh cluster stop{where}")
     return 0
 
 
@@ -64,9 +90,7 @@ def _submit(args: argparse.Namespace) -> int:
         server = JobServer(args.address, Path(args.token_file).read_text().strip())
     else:
         server = _running_head(args.dir).job_server
-    runtime_env: dict[str, Any] = {"working_dir": args.working_dir}
-    runtime_env.update(json.loads(args.runtime_env_json) if args.runtime_env_json else {})
-    job_id = server.submit(shlex.join(entrypoint), runtime_env)
+    job_id = server.submit(shlex.join(entrypoint), job_runtime_env(args.working_dir, args.runtime_env_json))
     print(f"submitted job {job_id} to {server.url}", flush=True)
     if args.no_wait:
         return 0
@@ -82,28 +106,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dir",
         type=Path,
         default=default_directory(),
-        help="the head's directory: head.json, auth_token, logs, Ray's temp dir (default: %(default)s, "
-        "or $WEIGHTSYNC_HEAD_DIR)",
+        help="the head's directory: head.json, auth_token, logs, Ray's temp dir (default: $WEIGHTSYNC_HEAD_DIR, "
+        "else %(default)s)",
     )
-    start = sub.add_parser("start", parents=[common], help="start a loopback Ray head with token auth and jobs")
+    start = sub.add_parser(
+        "start",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="start a loopback Ray head with token auth and jobs",
+    )
     start.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
     start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the job server")
     start.set_defaults(cluster_func=_start)
 
-    submit = sub.add_parser("submit", parents=[common], help="submit a job and follow its log until it ends")
-    submit.add_argument("--address", help="a job server this command did not start (http://host:8265)")
-    submit.add_argument("--token-file", help="with --address: the file holding that head's token")
-    submit.add_argument("--working-dir", default=".", help="uploaded as the job's working dir (default: .)")
-    submit.add_argument("--runtime-env-json", help='merged into the runtime env, e.g. \'{"py_executable": "..."}\'')
+    submit = sub.add_parser(
+        "submit",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="submit a job and follow its log until it ends",
+    )
+    submit.add_argument(
+        "--address", help="a job server this command did not start, http://host:8265 (default: the head in --dir)"
+    )
+    submit.add_argument(
+        "--token-file",
+        help="with --address: the file holding that head's token (default: none; required with --address)",
+    )
+    submit.add_argument(
+        "--working-dir",
+        default=".",
+        help="uploaded as the job's working dir, without .git, .venv and caches (default: .)",
+    )
+    submit.add_argument(
+        "--runtime-env-json", help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)'
+    )
     submit.add_argument("--timeout", type=float, default=900.0, help="stop the job after this many seconds")
-    submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- the command the job runs")
+    submit.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="print the job id and return (default: follow the log until the job ends)",
+    )
+    submit.add_argument(
+        "entrypoint",
+        nargs=argparse.REMAINDER,
+        help="-- then the command the job runs, e.g. -- python -m weightsync demo",
+    )
     submit.set_defaults(cluster_func=_submit)
 
-    env = sub.add_parser("env", parents=[common], help="print the exports plain `ray job submit` needs")
+    env = sub.add_parser(
+        "env",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="print the exports plain `ray job submit` needs",
+    )
     env.set_defaults(cluster_func=_env)
 
-    stop = sub.add_parser("stop", parents=[common], help="stop the head this checkout started (never `ray stop`)")
+    stop = sub.add_parser(
+        "stop",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="stop the head this checkout started (never `ray stop`)",
+    )
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the head to exit")
     stop.set_defaults(cluster_func=_stop)
     parser.set_defaults(func=run)

@@ -116,16 +116,16 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     if existing is not None and head_running(existing):
         raise HeadError(
             f"a head from this checkout is already running (pid {existing.pid}, {existing.dashboard_url}); "
-            f"use it, or stop it first: python -m weightsync cluster stop --dir {directory}"
+            f"use it, or stop it first: bash scripts/run.sh cluster stop --dir {directory}"
         )
     ray_cli = Path(sys.executable).parent / "ray"
     if not ray_cli.exists():
-        raise HeadError(f"{ray_cli} not found: install the cluster extra (pip install -e '.[cluster]')")
+        raise HeadError(f"{ray_cli} not found: install the cluster extra (bash scripts/run.sh cluster does)")
     try:
         import aiohttp  # noqa: F401 - the dashboard (and so the job server) needs it
     except ImportError as exc:
         raise HeadError(
-            f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: pip install -e '.[cluster]'"
+            f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: bash scripts/run.sh cluster does"
         ) from exc
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     token_path = directory / "auth_token"

@@ -1,4 +1,4 @@
-"""``python -m weightsync bench``: sync speed next to baselines and the hardware limit.
+"""``.venv/bin/python -m weightsync bench``: sync speed next to baselines and the hardware limit.
 
 Everything is measured in one run, on one cluster, with the same actors:
 
@@ -39,7 +39,7 @@ TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every party holds the model")
     parser.add_argument(
         "--sizes",
         type=comma_list(list(SIZES)),
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transports",
         type=comma_list(TRANSPORTS),
         default=list(TRANSPORTS),
-        help="cases to run: ipc,direct,broadcast,naive,objectstore",
+        help="comma-separated cases to run (default: all of ipc,direct,broadcast,naive,objectstore)",
     )
     parser.add_argument(
         "--buffer-mib",
@@ -69,15 +69,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank counts of the sharded (FSDP2, gloo) trainer cases, e.g. 2,4; 'none' skips them (default: cpu 2)",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
-    parser.add_argument("--quick", action="store_true", help="skip the buffer-size / buffer-count sweep")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the buffer-size / buffer-count sweep (default: off; on CPU no sweep)"
+    )
     parser.add_argument(
         "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
     )
-    parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--address")
-    parser.add_argument("--num-cpus", type=int, default=None)
-    parser.add_argument("--json", help="write every case here")
-    parser.add_argument("--plot", help="write a PNG of GB/s against buffer size here (needs matplotlib)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any sync or Ray call may take")
+    parser.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"
+    )
+    parser.add_argument("--json", help="write every case to this file (default: not written)")
+    parser.add_argument(
+        "--plot", help="write a PNG of GB/s against buffer size here, needs matplotlib (default: not written)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -86,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         args.sizes = ["100mb", "1gb", "16gb"] if args.device == "cuda" else ["1mb", "100mb", "1gb"]
     if args.sharded_ranks is None:
         args.sharded_ranks = [] if args.device == "cuda" else [2]
+    # The sharded cases run at the library's default buffers unless --buffer-mib was given.
+    args.buffer_mib_given = args.buffer_mib is not None
     if args.buffer_mib is None:
         args.buffer_mib = [256, 64, 1024, 2048]
         # The main cases run at the library's defaults; on a CPU the knob sweep is opt-in

@@ -78,7 +78,11 @@ class Bench:
             args.workers = 1
             opts["num_gpus"] = 0.5
         header()
-        for size in args.sizes:
+        started = time.perf_counter()
+        for index, size in enumerate(args.sizes, 1):
+            # Progress: which size of how many, and the time so far (sizes grow, so the last
+            # ones take longest).
+            print(f"-- size {index}/{len(args.sizes)}: {size}, {time.perf_counter() - started:.0f}s so far", flush=True)
             factory_device = "cuda" if cuda else "cpu"
             trainer = ChunkTrainerActor.options(**opts).remote(
                 PolicyFactory(size, 0, factory_device), device=args.device
@@ -153,7 +157,7 @@ class Bench:
                 return
 
             note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
-            case = Case(size, name, nbytes, built.agreed.buffer_bytes // MIB, nbuf, limit_s=limit, note=note)
+            case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, nbuf, limit_s=limit, note=note)
 
             def one() -> float:
                 report = ws.sync(self.next_version())

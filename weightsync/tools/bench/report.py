@@ -20,7 +20,9 @@ class Case:
     size: str
     name: str
     model_bytes: int
-    buffer_mib: int | None = None
+    #: The buffer size the case ran with, in MiB (a model smaller than 1 MiB gets a smaller
+    #: "auto" buffer, hence a fraction).
+    buffer_mib: float | None = None
     num_buffers: int | None = None
     times: list[float] = field(default_factory=list)
     #: For weightsync cases: seconds inside the trainer's send call, per timed sync.
@@ -51,8 +53,15 @@ class Case:
         return out
 
 
+def mib_column(buffer_mib: float | None) -> str:
+    """The MiB column: blank for a case without buffers, whole MiB from 10 up, else 3 digits."""
+    if buffer_mib is None:
+        return ""
+    return f"{buffer_mib:.0f}" if buffer_mib >= 10 else f"{buffer_mib:.3g}"
+
+
 def show(c: Case) -> None:
-    knobs = f"{c.buffer_mib or '':>5} {c.num_buffers or '':>2}"
+    knobs = f"{mib_column(c.buffer_mib):>5} {c.num_buffers or '':>2}"
     ratio = f"{c.limit_s / c.median:6.1%}" if c.limit_s else "     -"
     extra = f"{c.trainer_extra_mb or 0:8.0f} {c.worker_extra_mb if c.worker_extra_mb is not None else 0:8.0f}"
     send = f"{statistics.median(c.send_times) * 1e3:8.2f}" if c.send_times else f"{'-':>8}"
@@ -146,7 +155,7 @@ def plot(cases: list[Case], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed (pip install 'weightsync[plot]'); no plot written")
+        print("matplotlib not installed (.venv/bin/python -m pip install -e '.[plot]'); no plot written")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for size in dict.fromkeys(c.size for c in cases):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from torch import nn
 
@@ -68,6 +68,14 @@ class Timer(Protocol):
     ) -> Case: ...
 
 
+def sharded_buffer_bytes(args: Any) -> int | Literal["auto"]:
+    """The sharded rows' buffer size: the library's default ("auto"), as for the unsharded
+    rows they sit next to, unless ``--buffer-mib`` was given (then its first value)."""
+    if getattr(args, "buffer_mib_given", False):
+        return int(args.buffer_mib[0] * MIB)
+    return "auto"
+
+
 def sharded_cases(bench: Timer, size: str, workers: list[Any], nbytes: int, limits: dict[str, float | None]) -> None:
     """Every ``--sharded-ranks`` count at ``size``: start the ranks, run the cases, kill them.
 
@@ -112,18 +120,18 @@ def _one_case(
         ranks,
         members,
         transport=transport,
-        buffer_bytes=args.buffer_mib[0] * MIB,
+        buffer_bytes=sharded_buffer_bytes(args),
         num_buffers=2,
         timeout_s=bench.timeout,
     )
     recv = f", {len(members)} recv" if transport in ("broadcast", "owners") else ""
     name = f"sharded {world} ranks: {transport}{recv}"
     try:
-        ws.setup()
+        built = ws.setup()
     except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
         print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
         return
-    case = Case(size, name, nbytes, args.buffer_mib[0], 2, limit_s=limit)
+    case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, 2, limit_s=limit)
 
     def one() -> float:
         report = ws.sync(bench.next_version())
