@@ -23,6 +23,7 @@ import requests
 
 from weightsync.tools.head import HeadInfo, read_info, stop_head
 from weightsync.tools.jobs import JobServer
+from weightsync.tools.private_files import write_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -181,5 +182,5 @@ def test_head_record_round_trips_through_head_json(tmp_path: Path) -> None:
         "token_path": str(tmp_path / "auth_token"),
         "temp_dir": str(tmp_path / "ray"),
     }
-    (tmp_path / "head.json").write_text(json.dumps(info))
+    write_file(tmp_path / "head.json", json.dumps(info).encode())  # 0600, as `start` writes it
     assert read_info(tmp_path) == HeadInfo(**info)

@@ -17,8 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightsync.tools.head import HeadError, HeadInfo, default_directory, read_info, start_head, stop_head
+from weightsync.tools.head import (
+    HeadError,
+    HeadInfo,
+    default_directory,
+    read_info,
+    read_token,
+    start_head,
+    stop_head,
+)
 from weightsync.tools.jobs import JobServer
+from weightsync.tools.private_files import UnsafePathError
 
 
 def _running_head(directory: Path) -> HeadInfo:
@@ -61,7 +70,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.address:
         if not args.token_file:
             raise HeadError("--address needs --token-file (the head's token; on a head you started: its auth_token)")
-        server = JobServer(args.address, Path(args.token_file).read_text().strip())
+        server = JobServer(args.address, read_token(Path(args.token_file)))
     else:
         server = _running_head(args.dir).job_server
     runtime_env: dict[str, Any] = {"working_dir": args.working_dir}
@@ -112,6 +121,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return int(args.cluster_func(args))
-    except HeadError as exc:
+    except (HeadError, UnsafePathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
