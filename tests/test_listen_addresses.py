@@ -115,29 +115,44 @@ def test_a_group_across_nodes_listens_on_each_partys_own_node_address() -> None:
 
 
 CONNECT = """
-import json, os
+import json, os, sys
+sys.path.insert(0, sys.argv[1])  # this checkout, found by path only: not the working directory
 import ray  # imported first, as any program that uses Ray does before calling connect()
 from tests.listeners import descendants, listening
 from weightsync.tools.cluster import connect
 how = connect(num_cpus=1)
+
+@ray.remote
+def package() -> str:
+    import weightsync
+    return weightsync.__file__
+
 try:
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
-    print("RESULT " + json.dumps({"how": how, "nodes": nodes, "listening": listening(descendants(os.getpid()))}))
+    found = listening(descendants(os.getpid()))
+    where = ray.get(package.remote(), timeout=120)
+    print("RESULT " + json.dumps({"how": how, "nodes": nodes, "listening": found, "package": where}))
 finally:
     ray.shutdown()
 """
 
 
-def test_the_embedded_cluster_reports_and_listens_on_loopback_only() -> None:
-    drop = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")
+def test_the_embedded_cluster_is_on_loopback_only_and_its_workers_import_this_checkout() -> None:
+    # No PYTHONPATH and another working directory (Ray hands the driver's to its workers):
+    # connect() itself must give the workers this checkout.
+    drop = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR", "PYTHONPATH")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = str(ROOT)
     # A cluster of its own that no bare ray.init() elsewhere finds; a short path, since Ray's
     # socket paths under it must stay under 107 bytes.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="wsc-", dir="/tmp")
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", CONNECT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", CONNECT, str(ROOT)],
+            cwd=env["RAY_TMPDIR"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
@@ -148,3 +163,4 @@ def test_the_embedded_cluster_reports_and_listens_on_loopback_only() -> None:
     assert len(result["listening"]) >= 2, result  # at least the GCS and the raylet
     wide = [(address, port) for address, port in result["listening"] if not is_loopback(address)]
     assert not wide, f"the embedded cluster listens beyond loopback: {wide}"
+    assert result["package"] == str(ROOT / "weightsync" / "__init__.py"), result["package"]
