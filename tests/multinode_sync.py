@@ -38,6 +38,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from tests.helpers import MixedModel, perturb, state_of  # noqa: E402
+from tests.listeners import listening as listening_on  # noqa: E402
 from weightsync import TrainerActor, WeightSync, WorkerActor  # noqa: E402
 
 TIMEOUT = 120.0
@@ -63,25 +64,8 @@ def node_of(model: Any) -> str:
 
 
 def listening(model: Any) -> list[str]:
-    """``ip:port`` of every IPv4 TCP socket this process listens on (from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    with open("/proc/net/tcp") as fh:
-        for line in fh.readlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in inodes:  # 0A: LISTEN
-                ip_hex, port_hex = local.split(":")
-                ip = ".".join(str(b) for b in reversed(bytes.fromhex(ip_hex)))
-                found.append(f"{ip}:{int(port_hex, 16)}")
-    return found
+    """``ip:port`` of every TCP socket (IPv4 and IPv6) this process listens on (from /proc)."""
+    return [f"{address}:{port}" for address, port in listening_on({os.getpid()})]
 
 
 def main() -> dict[str, Any]:
@@ -148,7 +132,7 @@ def sync_across_nodes(node_a: str, node_b: str) -> dict[str, Any]:
             opened = sorted(set(get(trainer.call.remote(listening))) - before)
             hosts = {address.rsplit(":", 1)[0] for address in opened}
             assert NODE_B_IP in hosts, f"no rendezvous listener on the trainer node's address {NODE_B_IP}: {opened}"
-            assert "0.0.0.0" not in hosts, f"a weightsync socket listens on every interface: {opened}"
+            assert not hosts & {"0.0.0.0", "::"}, f"a weightsync socket listens on every interface: {opened}"
         return {
             "nodes": {k: addresses[v] for k, v in placed.items()},
             "transports": chosen,

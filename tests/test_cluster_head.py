@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 import requests
 
+from tests.listeners import is_loopback, listening
 from weightsync.tools.head import HeadInfo, read_info, stop_head
 from weightsync.tools.jobs import JobServer
+from weightsync.tools.private_files import write_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -74,6 +76,10 @@ def head() -> Iterator[HeadInfo]:
 
 def test_head_is_on_loopback_and_refuses_requests_without_its_token(head: HeadInfo) -> None:
     assert head.dashboard_url.startswith("http://127.0.0.1:") and head.gcs_address.startswith("127.0.0.1:")
+    found = listening(session_pids(head.pid))
+    assert len(found) >= 3, found  # at least the GCS, the raylet and the job server
+    wide = [(address, port) for address, port in found if not is_loopback(address)]
+    assert not wide, f"the head listens beyond loopback: {wide}"
     assert oct(Path(head.token_path).stat().st_mode & 0o777) == "0o600"
     assert requests.get(f"{head.dashboard_url}/api/jobs/", timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer " + "0" * 64}
@@ -181,5 +187,5 @@ def test_head_record_round_trips_through_head_json(tmp_path: Path) -> None:
         "token_path": str(tmp_path / "auth_token"),
         "temp_dir": str(tmp_path / "ray"),
     }
-    (tmp_path / "head.json").write_text(json.dumps(info))
+    write_file(tmp_path / "head.json", json.dumps(info).encode())  # 0600, as `start` writes it
     assert read_info(tmp_path) == HeadInfo(**info)

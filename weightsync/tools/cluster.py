@@ -1,9 +1,15 @@
 """Starting or joining Ray for the command line and the examples.
 
-An embedded cluster is kept on loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` must be
-set before Ray starts, or Ray binds the machine's network address. It is set only for a
-cluster this process starts, never when joining one (``--address``, or ``RAY_ADDRESS`` as
-set by ``ray job submit``).
+An embedded cluster is kept on loopback: its node address is 127.0.0.1, and Ray's GCS and
+raylet then listen on 127.0.0.1 only (for any other node address they listen on every
+interface). Ray turns a requested 127.0.0.1 into the machine's network address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and it reads that variable once, when Ray is
+imported (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``): by the time :func:`connect`
+runs, Ray is imported, so setting the variable alone comes too late. :func:`connect` sets
+the variable (for the processes Ray starts) and Ray's constant (for this one), asks for
+127.0.0.1, and checks the address Ray reports. All of this only for a cluster this process
+starts, never when joining one (``--address``, or ``RAY_ADDRESS`` as set by ``ray job
+submit``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import ray
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: weightsync/tools/cluster.py
+LOOPBACK = "127.0.0.1"
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:
@@ -31,20 +38,37 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
         return {"mode": "joined", "address": address}
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    _stay_on_loopback()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kwargs: dict[str, Any] = {
         "address": "local",
         "include_dashboard": False,
         "runtime_env": runtime_env,
         "log_to_driver": False,
+        "_node_ip_address": LOOPBACK,
     }
     if num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
     if num_gpus is not None:
         kwargs["num_gpus"] = num_gpus
     ray.init(**kwargs)
-    return {"mode": "started", "address": "local"}
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray cluster came up on {node_ip}, not {LOOPBACK}, so it would listen on every interface; "
+            "it was shut down. Start Ray yourself on loopback (ray start --head --node-ip-address=127.0.0.1 with "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and pass --address"
+        )
+    return {"mode": "started", "address": "local", "node_ip": node_ip}
+
+
+def _stay_on_loopback() -> None:
+    """Make Ray keep a requested 127.0.0.1 as the node address, here and in the processes it starts."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def missing_gpus(needed: float, what: str) -> str | None:

@@ -20,8 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.tools.cli_types import DefaultsHelpFormatter
-from weightsync.tools.head import HeadError, HeadInfo, default_directory, read_info, start_head, stop_head
+from weightsync.tools.head import (
+    HeadError,
+    HeadInfo,
+    default_directory,
+    read_info,
+    read_token,
+    start_head,
+    stop_head,
+)
 from weightsync.tools.jobs import JobServer
+from weightsync.tools.private_files import UnsafePathError
 
 #: Left out of the uploaded working directory (Ray itself leaves out ``.git``): caches and the
 #: virtual environment, which the head has already.
@@ -87,7 +96,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.address:
         if not args.token_file:
             raise HeadError("--address needs --token-file (the head's token; on a head you started: its auth_token)")
-        server = JobServer(args.address, Path(args.token_file).read_text().strip())
+        server = JobServer(args.address, read_token(Path(args.token_file)))
     else:
         server = _running_head(args.dir).job_server
     job_id = server.submit(shlex.join(entrypoint), job_runtime_env(args.working_dir, args.runtime_env_json))
@@ -175,6 +184,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return int(args.cluster_func(args))
-    except HeadError as exc:
+    except (HeadError, UnsafePathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

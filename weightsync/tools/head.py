@@ -12,11 +12,18 @@ environment (so the head's ``python`` is this venv's), with:
   ``~/.ray/auth_token`` that every other cluster of the same user would share;
 * its own ``--temp-dir`` inside that directory (sessions, logs, sockets).
 
+The directory and every file in it are private (:mod:`weightsync.tools.private_files`): made
+fresh with modes 0700/0600, and a directory or file someone else could have made or can read
+is refused by name, so another local user cannot pre-create the predictable default name
+under ``/tmp`` to read the token, redirect ``head.log`` or rewrite ``head.json``. The token is
+read only from ``auth_token`` inside the head's directory.
+
 ``ray start --block`` is Ray's supervisor for one node: on SIGTERM it drains the node and
 stops exactly the processes it started (and its children die with it if it is killed:
-Ray's fate sharing). ``stop`` signals that one process, found by the pid recorded at
-start and checked against its command line, never ``ray stop``, which would stop every
-Ray cluster of every user on the machine.
+Ray's fate sharing). ``stop`` signals that one process: the pid recorded at start, and only
+while that pid is still the same process (its start time, recorded too), owned by this user
+and running with this head's ``--temp-dir``; never ``ray stop``, which would stop every Ray
+cluster of every user on the machine.
 
 Call order: :func:`start_head` -> (jobs: :mod:`weightsync.tools.jobs`) -> :func:`stop_head`.
 The head's directory holds ``head.json`` (:class:`HeadInfo`), ``auth_token``, ``head.log``
@@ -38,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +65,10 @@ class HeadInfo:
     dashboard_url: str
     token_path: str
     temp_dir: str
+    #: The head process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot):
+    #: tells this head from a later process that reuses its pid. 0 in a record written by an
+    #: older weightsync, which is then judged by owner and command line only.
+    start_time: int = 0
 
     def __post_init__(self) -> None:
         if self.pid <= 0:
@@ -69,11 +81,20 @@ class HeadInfo:
 
     @property
     def job_server(self) -> JobServer:
-        return JobServer(self.dashboard_url, Path(self.token_path).read_text().strip())
+        return JobServer(self.dashboard_url, read_token(Path(self.token_path)))
 
     def env(self) -> dict[str, str]:
         """What a plain ``ray job submit`` (or ``ray.init``) needs to reach this head."""
         return {"RAY_ADDRESS": self.dashboard_url, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+
+
+def read_token(path: Path) -> str:
+    """The token in ``path``, read only from a regular file of this user with mode 0600: a
+    token is sent to a server, so a file anyone else could have written or swapped is refused."""
+    data = private_files.read_file(path)
+    if data is None:
+        raise HeadError(f"token file {path} does not exist")
+    return data.decode(errors="replace").strip()
 
 
 def default_directory() -> Path:
@@ -91,23 +112,81 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_DIR_HINT = " (--dir DIR, or WEIGHTSYNC_HEAD_DIR=DIR)"
+
+
 def read_info(directory: Path) -> HeadInfo | None:
-    path = directory / "head.json"
-    if not path.exists():
+    """The head recorded in ``directory``; None when there is none. A directory or record that
+    is not private to this user, or a damaged record, raises naming the file."""
+    if not private_files.check_directory(directory, hint=_DIR_HINT):
         return None
-    return HeadInfo(**json.loads(path.read_text()))
-
-
-def head_running(info: HeadInfo) -> bool:
-    """True while the recorded pid is alive and is this head's ``ray start`` (not a reused pid)."""
+    path = directory / "head.json"
+    raw = private_files.read_file(path)
+    if raw is None:
+        return None
     try:
-        stat = Path(f"/proc/{info.pid}/stat").read_text()
+        info = HeadInfo(**json.loads(raw))
+    except (ValueError, TypeError) as exc:  # bad JSON, missing or unknown fields, bad values
+        raise HeadError(
+            f"{path} is damaged ({exc}); remove it (rm {path}). If the head it recorded still runs, stop it by "
+            f"hand: its `ray start` process has --temp-dir={os.path.abspath(directory)}/ray on its command line"
+        ) from exc
+    expected = os.path.join(os.path.abspath(directory), "auth_token")
+    if info.token_path != expected:
+        raise HeadError(
+            f"{path} names the token file {info.token_path}, expected {expected}; the token is only ever read "
+            f"from the head's own directory. Remove {path} and start the head again"
+        )
+    return info
+
+
+def process_start_time(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); None
+    when it has exited (or is a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if fields[0] == "Z":
+        return None  # exited, not yet reaped
+    return int(fields[19])
+
+
+def head_running(info: HeadInfo, uid: int | None = None) -> bool:
+    """True while the recorded pid is this head's ``ray start``: the same process (start time),
+    owned by ``uid`` (this user), with this head's ``--temp-dir`` on its command line. Any other
+    process that now has that pid, or that merely names the temp dir, is not the head."""
+    uid = os.getuid() if uid is None else uid
+    started = process_start_time(info.pid)
+    try:
+        owner = os.stat(f"/proc/{info.pid}").st_uid
         cmdline = Path(f"/proc/{info.pid}/cmdline").read_bytes().split(b"\0")
     except (FileNotFoundError, ProcessLookupError):
         return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False  # exited, not yet reaped
+    if started is None or owner != uid:
+        return False
+    if info.start_time and started != info.start_time:
+        return False  # the head exited and its pid was reused
     return f"--temp-dir={info.temp_dir}".encode() in cmdline
+
+
+def signal_head(info: HeadInfo, signum: int) -> bool:
+    """Send ``signum`` to the recorded head if :func:`head_running` says it is the head; False
+    (nothing sent) otherwise. The check and the signal go through one pidfd, so a pid that is
+    reused in between is never signalled."""
+    try:
+        pidfd = os.pidfd_open(info.pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if not head_running(info):
+            return False
+        signal.pidfd_send_signal(pidfd, signum)
+        return True
+    except ProcessLookupError:
+        return False  # exited after the check
+    finally:
+        os.close(pidfd)
 
 
 def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 180.0) -> HeadInfo:
@@ -127,11 +206,10 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         raise HeadError(
             f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: bash scripts/run.sh cluster does"
         ) from exc
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory = Path(os.path.abspath(directory))
+    private_files.make_directory(directory, hint=_DIR_HINT)
     token_path = directory / "auth_token"
-    token_path.touch(mode=0o600, exist_ok=True)
-    token_path.chmod(0o600)
-    token_path.write_text(secrets.token_hex(32))
+    private_files.write_file(token_path, secrets.token_hex(32).encode())
     temp_dir = directory / "ray"
     port, dashboard_port = _free_port(), _free_port()
     command = [
@@ -166,10 +244,13 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
     log_path = directory / "head.log"
-    with open(log_path, "wb") as log:
+    log = private_files.create_file(log_path)
+    try:
         proc = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    finally:
+        os.close(log)
     info = HeadInfo(
         directory=str(directory),
         pid=proc.pid,
@@ -177,8 +258,9 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         dashboard_url=f"http://127.0.0.1:{dashboard_port}",
         token_path=str(token_path),
         temp_dir=str(temp_dir),
+        start_time=process_start_time(proc.pid) or 0,
     )
-    (directory / "head.json").write_text(json.dumps(asdict(info), indent=2))
+    private_files.write_file(directory / "head.json", json.dumps(asdict(info), indent=2).encode())
     deadline = time.monotonic() + timeout_s
     server = info.job_server
     while True:
@@ -203,15 +285,14 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
     info = read_info(directory)
     if info is None:
         return f"no head recorded in {directory}; nothing to stop"
-    if not head_running(info):
+    if not signal_head(info, signal.SIGTERM):
         (directory / "head.json").unlink()
         return f"the head recorded in {directory} (pid {info.pid}) is not running; record removed"
-    os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while head_running(info):
         if time.monotonic() > deadline:
             # Ray's fate sharing stops the node's processes when their supervisor dies.
-            os.kill(info.pid, signal.SIGKILL)
+            signal_head(info, signal.SIGKILL)
             time.sleep(1.0)
             (directory / "head.json").unlink()
             return f"the head (pid {info.pid}) did not stop within {timeout_s:.0f}s of SIGTERM; killed it"
@@ -221,7 +302,7 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
 
 
 def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
+    data = private_files.read_file(path)
+    if data is None:
         return "(no log)"
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])

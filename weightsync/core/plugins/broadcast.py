@@ -3,7 +3,10 @@
 Setup, run by the coordinator for the lead trainer party (rank 0 of a sharded trainer,
 which serves every broadcast worker)::
 
-    store     the lead opens the rendezvous store on its node's address
+    store     the lead opens the rendezvous store: on 127.0.0.1 when every member is on
+              its node, else on the address Ray reports for its node (logged), never on
+              every interface; the group's keys sit under a random 128-bit prefix, since
+              anyone who can reach the store's port can read and write it
     nccl id   on GPUs: the lead makes NCCL's unique id
     join      every member joins the group at once (the lead is rank 0, the workers 1..N
               in order) and installs its half: BroadcastSender / BroadcastReceiver
@@ -14,7 +17,8 @@ tell that the sender finished): the coordinator chains that commit on both answe
 
 from __future__ import annotations
 
-import uuid
+import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +30,8 @@ from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.transport.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire.manifest import Chunk, Manifest
 from weightsync.core.wire.messages import EndpointInfo, GroupSpec
+
+log = logging.getLogger("weightsync")
 
 
 def communicator(spec: GroupSpec, device: torch.device, timeout_s: float, store: Any = None) -> Communicator:
@@ -42,9 +48,19 @@ def communicator(spec: GroupSpec, device: torch.device, timeout_s: float, store:
         spec.world_size,
         spec.name,
         timeout_s,
-        bind_host=spec.store_host,
+        bind_host=spec.bind_host or spec.store_host,
         store=store,
     )
+
+
+def addresses(opening: Opening) -> dict[str, str]:
+    """The address each party of the group listens on: 127.0.0.1 for all when every member is
+    on the serving party's node, else each party's own node address as Ray reports it."""
+    names = (opening.server, *opening.members)
+    nodes = {name: opening.info(name).node_ip for name in names}
+    if len(set(nodes.values())) == 1:
+        return dict.fromkeys(names, "127.0.0.1")
+    return nodes
 
 
 def open_broadcast(opening: Opening) -> None:
@@ -53,20 +69,33 @@ def open_broadcast(opening: Opening) -> None:
     world = len(members) + 1
     info = opening.info(me)
     backend = opening.options.get("backend") or ("nccl" if info.device == "cuda" else "gloo")
-    host, port = opening.step(
-        {me: Request(action="store", args=(world, info.node_ip))}, "opening the rendezvous store"
-    )[me]
+    listen = addresses(opening)
+    host, port = opening.step({me: Request(action="store", args=(world, listen[me]))}, "opening the rendezvous store")[
+        me
+    ]
+    if host != "127.0.0.1":
+        log.info(
+            "broadcast rendezvous of %s listens on %s:%d, the address Ray reports for its node, because %s "
+            "are on other nodes",
+            me,
+            host,
+            port,
+            ", ".join(m for m in members if listen[m] != host),
+        )
     nccl_id = None
     if backend == "nccl":
         nccl_id = opening.step({me: Request(action="nccl id")}, "making the NCCL id")[me]
     names = (me, *members)
-    group = f"weightsync-{uuid.uuid4().hex[:8]}"
+    # The store's key prefix: unguessable, so a process that reaches the store cannot find
+    # or overwrite the group's keys.
+    group = f"weightsync-{secrets.token_hex(16)}"
 
     def spec(rank: int) -> GroupSpec:
         return GroupSpec(
             name=group,
             store_host=host,
             store_port=port,
+            bind_host=listen[names[rank]],
             rank=rank,
             world_size=world,
             backend=backend,

@@ -4,12 +4,19 @@ The group is standalone: a ``ProcessGroupGloo`` over a ``PrefixStore`` of its ow
 ``TCPStore``, never the default ``torch.distributed`` group, which a real trainer (FSDP,
 Megatron) already owns. Rank 0 opens the store first (:func:`open_store`, port 0 picks a
 free one) and the coordinator hands its address to the other ranks.
+
+The store listens on the one address it is given, never on every interface: torch's
+``TCPStore`` server ignores its host argument and binds ``*:port`` (both IPv4 and IPv6), so
+:func:`open_store` binds and listens on a socket of its own and hands it over
+(``master_listen_fd``). The store has no authentication: whoever can reach the address can
+read and write keys, so the callers keep their keys under an unguessable prefix.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import socket
 import time
 
 import torch
@@ -19,14 +26,28 @@ from weightsync.core.wire.errors import TransferError, TransferTimeout, WeightSy
 
 
 def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store, listening on ``host:port`` (0 picks a free port)."""
+    """Rank 0's rendezvous store, listening on ``host:port`` only (0 picks a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise TransferError(
+            f"cannot listen on {host}:{port} for the broadcast rendezvous store ({exc}); "
+            "the address must be one of this host's own"
+        ) from exc
+    bound = int(sock.getsockname()[1])
+    # The store owns the descriptor from here on (it closes it with its server).
     return dist.TCPStore(
         host,
-        port,
+        bound,
         world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=sock.detach(),
         use_libuv=True,
     )
 

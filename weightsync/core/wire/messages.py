@@ -90,6 +90,8 @@ class GroupSpec:
     nccl_id: bytes | None = None
     #: Every rank's party name, in rank order (rank 0 is the serving trainer party).
     members: tuple[str, ...] = ()
+    #: The address this rank's gloo sockets listen on (its own node's; "" means store_host).
+    bind_host: str = ""
 
     def __post_init__(self) -> None:
         _require(

@@ -1,0 +1,230 @@
+"""The local head's directory and files are private, and `cluster stop` signals only its head.
+
+No Ray here: every refusal happens before `ray start` would run, and the stop tests use a
+decoy process in place of a head. Another user cannot be created in a test, so the owner
+check is exercised by passing a uid that is not ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from weightsync.tools import private_files
+from weightsync.tools.head import (
+    HeadError,
+    HeadInfo,
+    head_running,
+    process_start_time,
+    read_info,
+    read_token,
+    start_head,
+    stop_head,
+)
+from weightsync.tools.private_files import UnsafePathError
+
+ROOT = Path(__file__).resolve().parent.parent
+OTHER_UID = os.getuid() + 4242
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "WEIGHTSYNC_HEAD_DIR"))}
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync", "cluster", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def head_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "head"
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+def record(directory: Path, **changes: object) -> dict[str, object]:
+    info: dict[str, object] = {
+        "directory": str(directory),
+        "pid": 1,
+        "gcs_address": "127.0.0.1:1",
+        "dashboard_url": "http://127.0.0.1:2",
+        "token_path": str(directory / "auth_token"),
+        "temp_dir": str(directory / "ray"),
+        **changes,
+    }
+    private_files.write_file(directory / "head.json", json.dumps(info).encode())
+    return info
+
+
+# --- the directory ---------------------------------------------------------------------------
+
+
+def test_a_precreated_world_writable_head_directory_is_refused_by_name(tmp_path: Path) -> None:
+    squatted = tmp_path / "weightsync-head-squatted"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    proc = cli("start", "--dir", str(squatted))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(squatted) in proc.stderr and "0777" in proc.stderr
+    assert "WEIGHTSYNC_HEAD_DIR" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(squatted)) == []  # no token, log or record written into it
+
+
+def test_a_head_directory_owned_by_another_user_is_refused(head_dir: Path) -> None:
+    assert private_files.check_directory(head_dir) is True
+    with pytest.raises(UnsafePathError, match=f"{head_dir}.*owned by uid"):
+        private_files.check_directory(head_dir, uid=OTHER_UID)
+
+
+def test_a_symlink_in_place_of_the_head_directory_is_refused(tmp_path: Path, head_dir: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(head_dir)
+    with pytest.raises(UnsafePathError, match=f"{link} is a symlink"):
+        private_files.make_directory(link)
+
+
+def test_a_new_head_directory_and_its_files_are_owner_only(tmp_path: Path) -> None:
+    directory = tmp_path / "fresh"
+    private_files.make_directory(directory)
+    private_files.write_file(directory / "auth_token", b"secret")
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert oct((directory / "auth_token").stat().st_mode & 0o777) == "0o600"
+
+
+# --- files in it -----------------------------------------------------------------------------
+
+
+def test_a_symlinked_head_log_is_refused_and_its_target_untouched(tmp_path: Path, head_dir: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (head_dir / "head.log").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match=f"{head_dir / 'head.log'} is a symlink"):
+        start_head(head_dir, timeout_s=1)
+    assert victim.read_bytes() == b"precious"
+    assert (head_dir / "head.log").is_symlink()
+
+
+def test_a_directory_in_place_of_head_json_is_refused(head_dir: Path) -> None:
+    (head_dir / "head.json").mkdir()
+    with pytest.raises(UnsafePathError, match=f"{head_dir / 'head.json'} is a directory"):
+        read_info(head_dir)
+    proc = cli("submit", "--dir", str(head_dir), "--", "true")
+    assert proc.returncode == 2 and str(head_dir / "head.json") in proc.stderr, proc.stderr
+
+
+def test_a_head_record_others_could_write_is_refused(head_dir: Path) -> None:
+    record(head_dir)
+    (head_dir / "head.json").chmod(0o644)
+    with pytest.raises(UnsafePathError, match="head.json has mode 0644"):
+        read_info(head_dir)
+
+
+def test_a_head_record_naming_a_token_outside_the_head_directory_is_refused(head_dir: Path) -> None:
+    record(head_dir, token_path=str(Path.home() / ".ssh" / "id_rsa"))
+    with pytest.raises(HeadError, match="id_rsa"):
+        read_info(head_dir)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"pid": 5}', "[]"])
+def test_a_corrupt_head_record_is_an_error_naming_the_file(head_dir: Path, content: str) -> None:
+    private_files.write_file(head_dir / "head.json", content.encode())
+    with pytest.raises(HeadError, match=str(head_dir / "head.json")):
+        read_info(head_dir)
+    proc = cli("stop", "--dir", str(head_dir))
+    assert proc.returncode == 2 and str(head_dir / "head.json") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --- the token -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A loopback socket that must never see a connection (where a token would be sent)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        sock.setblocking(False)
+        yield sock
+        with pytest.raises(BlockingIOError):
+            sock.accept()  # nobody connected
+
+
+@pytest.mark.parametrize("how", ["group readable", "symlink", "other owner"])
+def test_a_token_file_others_could_have_written_is_never_sent(
+    tmp_path: Path, listener: socket.socket, how: str
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("f" * 64)
+    token.chmod(0o640 if how == "group readable" else 0o600)
+    if how == "other owner":
+        with pytest.raises(UnsafePathError, match=f"{token} is owned by uid"):
+            private_files.read_file(token, uid=OTHER_UID)
+        return
+    named = token
+    if how == "symlink":
+        named = tmp_path / "link"
+        named.symlink_to(token)
+    port = listener.getsockname()[1]
+    proc = cli("submit", "--address", f"http://127.0.0.1:{port}", "--token-file", str(named), "--", "true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(named) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_private_token_file_is_read(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    private_files.write_file(token, b"abc123\n")
+    assert read_token(token) == "abc123"
+
+
+# --- stop signals only the recorded head -----------------------------------------------------
+
+
+@pytest.fixture
+def decoy(head_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A process of ours whose command line names the head's --temp-dir, as a head's does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)", f"--temp-dir={head_dir / 'ray'}"],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_stop_leaves_a_process_that_reuses_the_heads_pid_alone(head_dir: Path, decoy: subprocess.Popen[bytes]) -> None:
+    started = process_start_time(decoy.pid)
+    assert started is not None
+    record(head_dir, pid=decoy.pid, start_time=started + 1)  # the head died, its pid was reused
+    assert "is not running; record removed" in stop_head(head_dir, timeout_s=5)
+    assert decoy.poll() is None, "stop signalled a process that is not the recorded head"
+    assert read_info(head_dir) is None
+
+
+def test_a_process_of_another_user_is_never_the_head(head_dir: Path, decoy: subprocess.Popen[bytes]) -> None:
+    started = process_start_time(decoy.pid)
+    assert started is not None
+    info = HeadInfo(**record(head_dir, pid=decoy.pid, start_time=started))  # type: ignore[arg-type]
+    assert head_running(info) is True
+    assert head_running(info, uid=OTHER_UID) is False
+    other_dir = HeadInfo(**{**record(head_dir, pid=decoy.pid, start_time=started), "temp_dir": "/tmp/elsewhere"})  # type: ignore[arg-type]
+    assert head_running(other_dir) is False
+
+
+def test_stop_signals_the_recorded_head(head_dir: Path, decoy: subprocess.Popen[bytes]) -> None:
+    record(head_dir, pid=decoy.pid, start_time=process_start_time(decoy.pid))
+    assert stop_head(head_dir, timeout_s=30).startswith("stopped the head")
+    assert decoy.wait(timeout=30) == -15  # SIGTERM
