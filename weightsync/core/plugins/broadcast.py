@@ -53,10 +53,11 @@ def communicator(spec: GroupSpec, device: torch.device, timeout_s: float, store:
     )
 
 
-def addresses(opening: Opening) -> dict[str, str]:
-    """The address each party of the group listens on: 127.0.0.1 for all when every member is
-    on the serving party's node, else each party's own node address as Ray reports it."""
-    names = (opening.server, *opening.members)
+def addresses(opening: Opening, server: str | None = None) -> dict[str, str]:
+    """The address each party of the group ``server`` (by default the opening's) forms with
+    the members listens on: 127.0.0.1 for all when every member is on the serving party's
+    node, else each party's own node address as Ray reports it."""
+    names = (server or opening.server, *opening.members)
     nodes = {name: opening.info(name).node_ip for name in names}
     if len(set(nodes.values())) == 1:
         return dict.fromkeys(names, "127.0.0.1")

@@ -21,10 +21,10 @@ owner groups never wait on the ranks' own collectives.
 
 from __future__ import annotations
 
-import uuid
+import secrets
 
 from weightsync.core.owned_plan import OwnedLayout
-from weightsync.core.plugins.broadcast import communicator, nccl_unique_id, rendezvous_store
+from weightsync.core.plugins.broadcast import addresses, communicator, nccl_unique_id, rendezvous_store
 from weightsync.core.plugins.broadcast import fits as broadcast_fits
 from weightsync.core.plugins.broadcast import plan as broadcast_plan
 from weightsync.core.sharded import ShardedSender
@@ -47,8 +47,9 @@ def open_owned(opening: Opening) -> None:
         )
     world = len(members) + 1
     backend = opening.options.get("backend") or ("nccl" if opening.info(ranks[0]).device == "cuda" else "gloo")
+    listen = {r: addresses(opening, r) for r in ranks}
     stores = opening.step(
-        {r: Request(action="store", args=(world, opening.info(r).node_ip)) for r in ranks},
+        {r: Request(action="store", args=(world, listen[r][r])) for r in ranks},
         "opening the owner groups' rendezvous stores",
     )
     ids: dict[str, bytes | None] = dict.fromkeys(ranks)
@@ -57,10 +58,12 @@ def open_owned(opening: Opening) -> None:
 
     def spec(r: int, rank: int) -> GroupSpec:
         host, port = stores[ranks[r]]
+        parties = (ranks[r], *members)
         return GroupSpec(
-            name=f"weightsync-owned-{tag}-{r}",
+            name=f"weightsync-{tags[r]}",
             store_host=host,
             store_port=port,
+            bind_host=listen[ranks[r]][parties[rank]],
             rank=rank,
             world_size=world,
             backend=backend,
@@ -68,7 +71,8 @@ def open_owned(opening: Opening) -> None:
             members=(ranks[r], *members),
         )
 
-    tag = uuid.uuid4().hex[:8]
+    # Each group's key prefix in its store: unguessable, as for broadcast.
+    tags = [secrets.token_hex(16) for _ in ranks]
     requests = {name: Request(action="join", args=(spec(r, 0), layout, r)) for r, name in enumerate(ranks)}
     for w, name in enumerate(members, start=1):
         requests[name] = Request(action="join", args=(tuple(spec(r, w) for r in range(len(ranks))), layout))
