@@ -116,7 +116,7 @@ def test_two_ranks_sync_to_broadcast_ipc_and_direct_workers_bit_exact(two: dict[
         ranks, workers, transport=TWO_TRANSPORTS, worker_ranks={"i1": 1}, buffer_bytes=BUFFER, timeout_s=30
     ) as ws:
         assert ws.transports() == TWO_TRANSPORTS
-        assert [ws._workers[n].rank for n in TWO_TRANSPORTS] == [0, 0, 1, 0]  # d0: the default, rank 0
+        assert [ws._members.members[n].rank for n in TWO_TRANSPORTS] == [0, 0, 1, 0]  # d0: the default, rank 0
         before = get(workers["b0"].call.remote(fm.state))
         for version in (1, 2):
             train(ranks, 2, seed=version)
