@@ -24,8 +24,13 @@ in-place pieces in order.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from weightsync.core.gathering import plan_buckets
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 
@@ -84,19 +89,6 @@ def row_span(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, min(start + per, rows)
 
 
-def _buckets(sizes: list[int], budget: int) -> list[range]:
-    out: list[range] = []
-    start, size = 0, 0
-    for index, n in enumerate(sizes):
-        if index > start and size + n > budget:
-            out.append(range(start, index))
-            start, size = index, 0
-        size += n
-    if sizes:
-        out.append(range(start, len(sizes)))
-    return out
-
-
 def plan(manifest: Manifest, layout: OwnedLayout) -> list[Bucket]:
     """The buckets of one sync and every rank's segment of each (see the module doc)."""
     specs = manifest.specs
@@ -109,7 +101,7 @@ def plan(manifest: Manifest, layout: OwnedLayout) -> list[Bucket]:
     alone = manifest.agreed.inplace_bytes
     ranks = layout.ranks
     buckets: list[Bucket] = []
-    for indices in _buckets([s.nbytes for s in specs], manifest.agreed.buffer_bytes):
+    for indices in plan_buckets([s.nbytes for s in specs], manifest.agreed.buffer_bytes):
         pieces: list[list[Piece]] = [[] for _ in range(ranks)]
         inplace: list[list[Piece]] = [[] for _ in range(ranks)]
         sizes = [0] * ranks
@@ -136,3 +128,33 @@ def plan(manifest: Manifest, layout: OwnedLayout) -> list[Bucket]:
         segments = tuple(Segment(tuple(p), n) for p, n in zip(pieces, sizes))
         buckets.append(Bucket(indices, segments, tuple(tuple(p) for p in inplace)))
     return buckets
+
+
+def layout_of(party: str, named: Sequence[tuple[str, torch.Tensor]], ranks: int, rank: int) -> OwnedLayout:
+    """The :class:`OwnedLayout` of one rank's tensors (``rank`` of ``ranks`` on their mesh):
+    ``Shard(0)`` over a 1-D mesh with the rows ``torch.chunk`` gives this rank is split,
+    ``Replicate`` and plain tensors are whole; any other layout is refused naming the tensor."""
+    rows: list[bool] = []
+    for name, t in named:
+        if not isinstance(t, DTensor):
+            rows.append(False)
+            continue
+        if t.device_mesh.ndim != 1 or tuple(t.placements) not in ((Shard(0),), (Replicate(),)):
+            raise SettingsError(
+                f"{party}: {name} is laid out as {tuple(t.placements)} over a {t.device_mesh.ndim}-D mesh; "
+                "owner sends take Shard(0) over a 1-D mesh, Replicate or plain tensors: use "
+                "transport='broadcast' for this trainer (it gathers)"
+            )
+        split = t.placements[0] == Shard(0) and t.ndim > 0
+        if split:
+            start, stop = row_span(t.shape[0], ranks, rank)
+            local = t.to_local()
+            held = local.shape[0] if local.ndim else 0
+            if held != stop - start:
+                raise SettingsError(
+                    f"{party}: {name} holds {held} row(s) of {t.shape[0]}, but an even Shard(0) split over "
+                    f"{ranks} ranks gives rank {rank} {stop - start}: owner sends need torch.chunk's split; use "
+                    "transport='broadcast' for this trainer (it gathers)"
+                )
+        rows.append(split)
+    return OwnedLayout(ranks=ranks, rows=tuple(rows))

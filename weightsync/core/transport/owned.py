@@ -43,6 +43,9 @@ from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 
 KIND = "owners"
+#: A posted receive: (rank, operation, the in-place piece or None for the packed segment,
+#: where that piece lands when not straight in its destination).
+_Posted = tuple[int, "Work", "Piece | None", "torch.Tensor | None"]
 
 
 def _rebrand(exc: WeightSyncError, blames: Sequence[str], where: str) -> WeightSyncError:
@@ -273,33 +276,9 @@ class OwnedReceiver(ReceiveHalf):
     ) -> None:
         nbuf = self.manifest.agreed.num_buffers
         buffers = self.buffers()
-        # Per bucket, in each group's order: (rank, operation, the in-place piece or None for
-        # the packed segment, where that piece lands when not straight in its destination).
-        posted: dict[int, list[tuple[int, Work, Piece | None, torch.Tensor | None]]] = {}
-
-        def post(b: int) -> None:
-            entries: list[tuple[int, Work, Piece | None, torch.Tensor | None]] = []
-            for r, group in enumerate(self.groups):
-                segment = self.buckets[b].segments[r]
-                if segment.nbytes:
-                    with group.streams.use(b % nbuf):
-                        target = buffers[r][b % nbuf][: segment.nbytes]
-                        entries.append(
-                            (r, group.comm.broadcast(target, 0, group.streams.stream_pointer(b % nbuf)), None, None)
-                        )
-                for piece in self.buckets[b].inplace[r]:
-                    rows = self._rows_of(piece, destinations, group.comm.device)
-                    landing = (
-                        torch.empty(piece.nbytes, dtype=torch.uint8, device=group.comm.device) if rows is None else rows
-                    )
-                    with group.streams.use(nbuf):
-                        work = group.comm.broadcast(landing, 0, group.streams.stream_pointer(nbuf))
-                    entries.append((r, work, piece, None if rows is not None else landing))
-                group.in_flight.extend(e[1] for e in entries if e[0] == r)
-            posted[b] = entries
-
+        posted: dict[int, list[_Posted]] = {}
         for b in range(min(nbuf, len(self.buckets))):
-            post(b)
+            posted[b] = self._post(b, destinations)
         for b, bucket in enumerate(self.buckets):
             partial: dict[int, torch.Tensor] = {}
             for r, work, piece, landing in posted.pop(b):
@@ -340,7 +319,31 @@ class OwnedReceiver(ReceiveHalf):
             if handed:
                 sink.consume(handed)
             if b + nbuf < len(self.buckets):
-                post(b + nbuf)
+                posted[b + nbuf] = self._post(b + nbuf, destinations)
+
+    def _post(self, b: int, destinations: list[torch.Tensor | None]) -> list[_Posted]:
+        """Post every group's receives of bucket ``b``, in each group's order."""
+        nbuf = self.manifest.agreed.num_buffers
+        buffers = self.buffers()
+        entries: list[_Posted] = []
+        for r, group in enumerate(self.groups):
+            segment = self.buckets[b].segments[r]
+            if segment.nbytes:
+                with group.streams.use(b % nbuf):
+                    target = buffers[r][b % nbuf][: segment.nbytes]
+                    entries.append(
+                        (r, group.comm.broadcast(target, 0, group.streams.stream_pointer(b % nbuf)), None, None)
+                    )
+            for piece in self.buckets[b].inplace[r]:
+                rows = self._rows_of(piece, destinations, group.comm.device)
+                landing = (
+                    torch.empty(piece.nbytes, dtype=torch.uint8, device=group.comm.device) if rows is None else rows
+                )
+                with group.streams.use(nbuf):
+                    work = group.comm.broadcast(landing, 0, group.streams.stream_pointer(nbuf))
+                entries.append((r, work, piece, None if rows is not None else landing))
+            group.in_flight.extend(e[1] for e in entries if e[0] == r)
+        return entries
 
     def _rows_of(
         self, piece: Piece, destinations: list[torch.Tensor | None], device: torch.device
