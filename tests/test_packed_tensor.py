@@ -27,6 +27,7 @@ from tests.packed_procs import (
 from weightsync import packed_tensor as pt
 from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import UnsupportedDtypeError
+from weightsync.core.wire.shm_names import current_scope
 
 CTX = mp.get_context("spawn")
 
@@ -149,9 +150,9 @@ def test_an_empty_iterator_sends_nothing_and_returns() -> None:
     collector = Collector()
     pt.packed_nccl_broadcast_consumer(iter([]), Replayer([]), 0, collector, BUFFER, 2, "cpu")
     assert recorder.chunks == [] and collector.chunks == []
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     assert list(pt.packed_ipc_producer(iter([]), pt.CPU_HANDLE_KEY, post_iter, BUFFER)) == []
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before
 
 
 def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
@@ -173,10 +174,10 @@ def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
 
 def test_ipc_producer_refuses_an_oversize_tensor_naming_the_size_needed() -> None:
     items = [("small", torch.ones(4)), ("huge", torch.ones(100))]
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     with pytest.raises(ValueError, match=r"'huge'.*at least 400"):
         list(pt.packed_ipc_producer(iter(items), pt.CPU_HANDLE_KEY, lambda item: item[1], 128))
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before
 
 
 def test_ipc_on_cpu_in_one_process_maps_once_and_delivers_trailing_empty_tensors() -> None:
@@ -281,7 +282,7 @@ def test_shared_memory_ipc_between_processes_reuses_one_buffer_per_transfer() ->
     seeds = [31, 32, 33]
     chunks_out = CTX.Queue()
     acks = CTX.Queue()
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     child = CTX.Process(target=shm_ipc_consumer, args=(seeds, chunks_out, acks))
     child.start()
     try:
@@ -303,4 +304,4 @@ def test_shared_memory_ipc_between_processes_reuses_one_buffer_per_transfer() ->
     finally:
         child.join(timeout=60)
     assert child.exitcode == 0
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before

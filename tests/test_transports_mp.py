@@ -16,6 +16,7 @@ from weightsync.core.transport.broadcast import BroadcastSender
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TransferTimeout
+from weightsync.core.wire.shm_names import current_scope
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]
@@ -96,7 +97,7 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     finally:
         child.join(timeout=60)
         sender.close_transports()
-    assert not any(export.session in name for name in leftover_segments())
+    assert not any(export.session in name for name in leftover_segments(scope=current_scope()))
 
 
 def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(

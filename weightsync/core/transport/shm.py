@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 import socket
-import uuid
 import weakref
 
 import torch
 
 from weightsync.core.wire.errors import ExportNotFound
 from weightsync.core.wire.messages import ShmHandle
+from weightsync.core.wire.shm_names import SHM_DIR, SHM_PREFIX, SegmentName
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "weightsync-"
 _swept: set[str] = set()
 
 
@@ -42,8 +40,9 @@ class ShmRegion:
         if directory not in _swept:
             _swept.add(directory)
             remove_orphans(directory)
-        self.session = uuid.uuid4().hex[:16]
-        self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{self.session}-{tag}")
+        name = SegmentName.fresh(tag)
+        self.session = name.session
+        self.path = os.path.join(directory, str(name))
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
@@ -88,20 +87,22 @@ def map_shm(handle: ShmHandle) -> torch.Tensor:
     return torch.from_file(handle.path, shared=True, size=size, dtype=torch.uint8)[: handle.nbytes]
 
 
-def leftover_segments(directory: str = SHM_DIR) -> list[str]:
-    """Names of weightsync regions in ``directory`` (for tests and ``doctor``)."""
+def leftover_segments(directory: str = SHM_DIR, *, scope: str | None = None) -> list[str]:
+    """Names of weightsync regions in ``directory`` (for tests and ``doctor``); with
+    ``scope``, only the regions created under that scope (``$WEIGHTSYNC_SHM_SCOPE``)."""
     try:
-        return sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
+        names = sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
     except FileNotFoundError:
         return []
+    if scope is None:
+        return names
+    return [n for n in names if (parsed := SegmentName.parse(n)) is not None and parsed.scope == scope]
 
 
 def creator_pid(name: str) -> int | None:
-    """The pid embedded in a region's file name (``weightsync-<pid>-<session>-<tag>``)."""
-    if not name.startswith(SHM_PREFIX):
-        return None
-    head = name[len(SHM_PREFIX) :].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+    """The pid embedded in a region's file name (see :mod:`weightsync.core.wire.shm_names`)."""
+    parsed = SegmentName.parse(name)
+    return None if parsed is None else parsed.pid
 
 
 def remove_orphans(directory: str = SHM_DIR) -> list[str]:
