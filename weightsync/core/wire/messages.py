@@ -261,10 +261,16 @@ class PushExport:
     worker: str
     mailbox: ShmHandle
     doorbell: str
+    #: The secret each ring carries; the listener ignores a datagram without it.
+    doorbell_key: bytes
     pid: int
 
     def __post_init__(self) -> None:
         _require(bool(self.worker) and bool(self.doorbell), "a push export names its worker and its doorbell")
+        _require(
+            isinstance(self.doorbell_key, bytes) and len(self.doorbell_key) == 16,
+            f"{self.worker}: a push export's doorbell key must be 16 bytes, got {self.doorbell_key!r}",
+        )
         _require(_is_int(self.pid) and self.pid > 0, f"a push export's pid must be a positive int, got {self.pid!r}")
 
 
