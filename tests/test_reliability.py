@@ -462,7 +462,8 @@ def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftov
     late.accept(sender.current_manifest)
     with pytest.raises(ExportNotFound, match="does not exist: it was closed, or belongs to a previous session"):
         act(late, "ipc", "attach", export, 0)
-    foreign = ShmHandle(path="/dev/shm/weightsync-x", nbytes=16, hostname="another-host", session="s")
+    path = "/dev/shm/weightsync-1-1-0-0123456789abcdef-slots"
+    foreign = ShmHandle(path=path, nbytes=16, hostname="another-host", session="s")
     from weightsync.core.transport.shm import map_shm
 
     with pytest.raises(ExportNotFound, match="lives on host 'another-host'"):

@@ -12,6 +12,7 @@ from typing import Any
 
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.shm_names import confined_path
 
 
 def _require(condition: bool, message: str) -> None:
@@ -103,7 +104,8 @@ class GroupSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ShmHandle:
-    """A shared-memory region as it crosses a process boundary."""
+    """A shared-memory region as it crosses a process boundary; ``path`` may only name one
+    of weightsync's regions in ``/dev/shm`` (checked here and again where it is mapped)."""
 
     path: str
     nbytes: int
@@ -111,6 +113,7 @@ class ShmHandle:
     session: str
 
     def __post_init__(self) -> None:
+        confined_path(self.path, f"shared-memory handle (session {self.session!r})")
         _require(_is_int(self.nbytes) and self.nbytes >= 0, f"shared-memory handle size {self.nbytes!r} is not a size")
 
 
