@@ -184,7 +184,9 @@ class GlooCommunicator:
                 self._flags.set(_ABORT_KEY, str(self.rank))
             except Exception as exc:  # noqa: BLE001 - the store's host died; its sockets tell the peers
                 log.debug("weightsync: rank %d could not write the abort word: %s", self.rank, exc)
-        threading.Thread(target=_release, args=(pg,), name=f"weightsync-gloo-abort-{self.rank}", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit (a group destroyed while Python
+        # finalizes aborts the process), at most gloo's timeout, as a synchronous drop would.
+        threading.Thread(target=_release, args=(pg,), name=f"weightsync-gloo-abort-{self.rank}").start()
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
