@@ -10,8 +10,7 @@ fails the peers' pending operations) only once the group is destroyed, and destr
 waits for the group's own pending operations: a rank that aborts while it still waits to
 receive from a live peer would keep its sockets open, and that peer waiting, until gloo's
 timeout. So :meth:`GlooCommunicator.abort` also writes an abort word into the group's
-store, every wait polls it between short slices, and the group is released on a
-background thread.
+store, every wait polls it, and the group is released on a background thread.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from weightsync.core.wire.errors import TransferError, TransferTimeout, WeightSy
 
 log = logging.getLogger("weightsync")
 _ABORT_KEY = "weightsync-abort"
-#: How long one slice of a wait lasts before the abort word is looked at again.
+#: How often a wait looks at the abort word.
 _SLICE_S = 0.01
 
 
@@ -55,27 +54,35 @@ class _GlooWork:
         self._aborted = aborted
 
     def wait(self, deadline: float) -> None:
-        """Wait in short slices until the operation completed, a peer wrote the abort word,
-        or ``deadline``; a slice running out is told from a failure by ``is_completed``,
-        never by gloo's message."""
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self._work.wait(datetime.timedelta(seconds=max(min(left, _SLICE_S), 0.001)))
-                return
-            except RuntimeError as exc:
-                if self._work.is_completed():
-                    self._failed(exc, deadline)
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(
-                        f"rank {self._rank}: gloo collective did not complete within {self._timeout_s:.1f}s; "
-                        "a peer is dead or stuck (raise timeout_s for slow links)"
-                    ) from exc
-            who = self._aborted()
-            if who is not None:
-                raise TransferError(
-                    f"rank {self._rank}: rank {who} of the gloo group failed and aborted it; stopped waiting"
+        """Poll until the operation completed, a peer wrote the abort word (looked at every
+        10 ms), or ``deadline``. Polling, not a wait with a timeout: a gloo work's timed wait
+        is not safe to give up on and repeat."""
+        spins = 0
+        delay = 10e-6
+        next_check = time.monotonic() + _SLICE_S
+        while not self._work.is_completed():
+            spins += 1
+            if spins <= 1000:
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeout(
+                    f"rank {self._rank}: gloo collective did not complete within {self._timeout_s:.1f}s; "
+                    "a peer is dead or stuck (raise timeout_s for slow links)"
                 )
+            if now >= next_check:
+                next_check = now + _SLICE_S
+                who = self._aborted()
+                if who is not None:
+                    raise TransferError(
+                        f"rank {self._rank}: rank {who} of the gloo group failed and aborted it; stopped waiting"
+                    )
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            self._failed(exc, deadline)
 
     def _failed(self, exc: RuntimeError, deadline: float) -> None:
         # A deadline that has passed tells a timeout from a peer that left; the text of
