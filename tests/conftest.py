@@ -10,6 +10,9 @@ from pathlib import Path
 # Before Ray or gloo start: keep every connection on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+# Every region this session's processes create carries this label, so the leak checks look
+# only at this session's regions, never at another process's on the same host.
+os.environ["WEIGHTSYNC_SHM_SCOPE"] = f"pytest{os.getpid()}"
 
 import pytest
 import torch
@@ -42,6 +45,7 @@ def ray_session() -> Iterator[None]:
             "env_vars": {
                 "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                 "GLOO_SOCKET_IFNAME": "lo",
+                "WEIGHTSYNC_SHM_SCOPE": os.environ["WEIGHTSYNC_SHM_SCOPE"],
             }
         },
     )
@@ -95,9 +99,12 @@ def actors(ray_session: None) -> Iterator[ActorPool]:
 
 @pytest.fixture
 def no_shm_leftovers() -> Iterator[None]:
+    """Fails a test that leaves regions behind: only this session's (its scope), so
+    another process's regions on the same host never fail it."""
     from weightsync.core.transport.shm import leftover_segments
+    from weightsync.core.wire.shm_names import current_scope
 
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     yield
-    left = set(leftover_segments()) - before
+    left = set(leftover_segments(scope=current_scope())) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"

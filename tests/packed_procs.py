@@ -158,11 +158,14 @@ def _run_scenarios(
                     iter(sent(seed, layout)), group, 0, lambda item: item[1], BUFFER, num_buffers
                 )
             else:
-                ws.packed_nccl_broadcast_producer(iter(model(seed, layout)), group, 0, post_iter, BUFFER, num_buffers)
+                ws.packed_nccl_broadcast_producer(
+                    iter(model(seed, layout)), group, 0, post_iter, BUFFER, num_buffers, size_header=consumer == "ws"
+                )
             continue
         collector = Collector()
+        headers = {"size_header": producer == "ws"} if consumer == "ws" else {}
         impls[consumer].packed_nccl_broadcast_consumer(
-            iter(metadata(seed, layout)), group, 0, collector, BUFFER, num_buffers, "cpu"
+            iter(metadata(seed, layout)), group, 0, collector, BUFFER, num_buffers, "cpu", **headers
         )
         results.append((scenario, mismatches(collector.tensors, sent(seed, layout)), collector.chunks))
     return results
@@ -276,3 +279,33 @@ def nccl_rank_alone(world: int, timeout_s: float, queue: Any) -> None:
     queue.join_thread()  # the report is written before leaving
     # The abandoned init thread is still inside NCCL: leave without running exit handlers.
     os._exit(0)
+
+
+def mismatched_pair(rank: int, rdzv: str, consumer_buffer: int, queue: Any) -> None:
+    """One rank of a 2-rank gloo world whose consumer uses another ``buffer_size_bytes`` than
+    the producer; each rank reports what it raised (the consumer's error text, or None)."""
+    try:
+        import datetime
+        import warnings
+
+        from weightsync.packed_tensor import GlooGroup, packed_nccl_broadcast_consumer, packed_nccl_broadcast_producer
+
+        warnings.simplefilter("ignore", UserWarning)
+        dist.init_process_group(
+            "gloo", init_method=rdzv, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        )
+        outcome: str | None = None
+        try:
+            if rank == 0:
+                packed_nccl_broadcast_producer(iter(model(9)), GlooGroup(), 0, post_iter, BUFFER, 2)
+            else:
+                packed_nccl_broadcast_consumer(
+                    iter(metadata(9)), GlooGroup(), 0, Collector(), consumer_buffer, 2, "cpu", timeout_s=60
+                )
+        except ValueError as exc:
+            outcome = f"ValueError: {exc}"
+        except RuntimeError as exc:  # the producer, once the consumer has gone
+            outcome = f"RuntimeError: {exc}"
+        queue.put((rank, outcome, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))

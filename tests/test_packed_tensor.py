@@ -18,6 +18,7 @@ from tests.packed_procs import (
     expected_chunks,
     gloo_world,
     metadata,
+    mismatched_pair,
     mismatches,
     model,
     post_iter,
@@ -27,19 +28,29 @@ from tests.packed_procs import (
 from weightsync import packed_tensor as pt
 from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import UnsupportedDtypeError
+from weightsync.core.wire.shm_names import current_scope
 
 CTX = mp.get_context("spawn")
 
 
 class Recorder:
-    """A group that keeps a copy of every chunk the producer broadcasts (one process)."""
+    """A group that keeps a copy of everything the producer broadcasts (one process)."""
 
     def __init__(self) -> None:
-        self.chunks: list[torch.Tensor] = []
+        self.sent: list[torch.Tensor] = []
         self.aborted = False
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.chunks.append(tensor.clone())
+        self.sent.append(tensor.clone())
+
+    @property
+    def chunks(self) -> list[torch.Tensor]:
+        """The data chunks (uint8), without the size headers (int64)."""
+        return [t for t in self.sent if t.dtype == torch.uint8]
+
+    @property
+    def headers(self) -> list[list[int]]:
+        return [t.tolist() for t in self.sent if t.dtype == torch.int64]
 
     def abort(self) -> None:
         self.aborted = True
@@ -98,10 +109,60 @@ def test_broadcast_boundaries_follow_the_running_total_rule_and_round_trip(num_b
     assert [c.numel() for c in recorder.chunks] == [sum(sizes_of([wire[i] for i in c])) for c in chunks]
     collector = Collector()
     pt.packed_nccl_broadcast_consumer(
-        iter(metadata(1)), Replayer(recorder.chunks), 0, collector, BUFFER, num_buffers, "cpu"
+        iter(metadata(1)), Replayer(recorder.sent), 0, collector, BUFFER, num_buffers, "cpu"
     )
     assert collector.chunks == [[wire[i][0] for i in c] for c in chunks]
     assert mismatches(collector.tensors, wire) == []
+
+
+def _recorded(seed: int) -> Recorder:
+    recorder = Recorder()
+    with pytest.warns(UserWarning):  # the oversize tensors' warnings, tested above
+        pt.packed_nccl_broadcast_producer(iter(model(seed)), recorder, 0, post_iter, BUFFER, 2)
+    return recorder
+
+
+def test_each_chunk_is_preceded_by_its_size_and_the_stream_by_an_end() -> None:
+    recorder = _recorded(2)
+    sizes = [c.numel() for c in recorder.chunks]
+    counts = [len(c) for c in expected_chunks(sizes_of(sent(2)), BUFFER)]
+    assert [h[1:] for h in recorder.headers] == [*([BUFFER, n, k] for n, k in zip(sizes, counts)), [BUFFER, 0, 0]]
+    kinds = [t.dtype for t in recorder.sent]
+    assert kinds == [torch.int64, torch.uint8] * len(sizes) + [torch.int64], "a header before every chunk"
+
+
+@pytest.mark.parametrize("factor", [4, 2])
+def test_a_consumer_with_a_larger_buffer_raises_naming_both_sizes(factor: int) -> None:
+    recorder = _recorded(3)
+    collector = Collector()
+    with pytest.raises(ValueError, match=rf"buffer_size_bytes={BUFFER}, this consumer's={BUFFER * factor}"):
+        pt.packed_nccl_broadcast_consumer(
+            iter(metadata(3)), Replayer(recorder.sent), 0, collector, BUFFER * factor, 2, "cpu"
+        )
+    assert collector.chunks == [], "nothing may be handed over from a chunk of the wrong size"
+
+
+def test_a_consumer_whose_metadata_differs_raises_naming_the_chunk_and_never_receives_it() -> None:
+    recorder = _recorded(4)
+    meta = metadata(4)
+    # One more element in the first chunk's second tensor: same tensor count, 4 bytes more.
+    wrong = [(name, ([8] if name == "after_odd" else shape, dtype)) for name, (shape, dtype) in meta]
+    collector = Collector()
+    replayer = Replayer(recorder.sent)
+    with pytest.raises(ValueError, match=r"from tensor 'odd_half'.*sent 3 tensors in 85 bytes.*3 tensors in 89 bytes"):
+        pt.packed_nccl_broadcast_consumer(iter(wrong), replayer, 0, collector, BUFFER, 2, "cpu")
+    assert collector.chunks == []
+    assert replayer.chunks[0] is recorder.sent[1], "the mismatching chunk must not be received"
+
+
+def test_a_consumer_expecting_fewer_or_more_tensors_raises_naming_where() -> None:
+    meta = metadata(5)
+    with pytest.raises(ValueError, match="sends more than this consumer's metadata lists"):
+        pt.packed_nccl_broadcast_consumer(iter(meta[:3]), Replayer(_recorded(5).sent), 0, Collector(), BUFFER, 2, "cpu")
+    short = Recorder()  # a producer that sends only the first chunk's three tensors
+    pt.packed_nccl_broadcast_producer(iter(model(5)[:3]), short, 0, post_iter, BUFFER, 2)
+    with pytest.raises(ValueError, match=f"the producer ended before tensor '{meta[3][0]}'"):
+        pt.packed_nccl_broadcast_consumer(iter(meta), Replayer(short.sent), 0, Collector(), BUFFER, 2, "cpu")
 
 
 def test_metadata_is_what_post_iter_func_returned_so_a_cast_round_trips() -> None:
@@ -149,9 +210,9 @@ def test_an_empty_iterator_sends_nothing_and_returns() -> None:
     collector = Collector()
     pt.packed_nccl_broadcast_consumer(iter([]), Replayer([]), 0, collector, BUFFER, 2, "cpu")
     assert recorder.chunks == [] and collector.chunks == []
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     assert list(pt.packed_ipc_producer(iter([]), pt.CPU_HANDLE_KEY, post_iter, BUFFER)) == []
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before
 
 
 def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
@@ -173,10 +234,10 @@ def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
 
 def test_ipc_producer_refuses_an_oversize_tensor_naming_the_size_needed() -> None:
     items = [("small", torch.ones(4)), ("huge", torch.ones(100))]
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     with pytest.raises(ValueError, match=r"'huge'.*at least 400"):
         list(pt.packed_ipc_producer(iter(items), pt.CPU_HANDLE_KEY, lambda item: item[1], 128))
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before
 
 
 def test_ipc_on_cpu_in_one_process_maps_once_and_delivers_trailing_empty_tensors() -> None:
@@ -246,6 +307,23 @@ def test_every_broadcast_round_trips_over_real_gloo_groups_between_processes(tmp
     assert any(name == "big" for name, _ in sent(0)) and len(LAYOUT) == len(sent(0))
 
 
+def test_a_mismatched_consumer_over_real_gloo_raises_instead_of_aborting(tmp_path: Any) -> None:
+    queue = CTX.Queue()
+    rdzv = f"file://{tmp_path}/rendezvous"
+    children = [CTX.Process(target=mismatched_pair, args=(r, rdzv, BUFFER * 4, queue)) for r in range(2)]
+    for child in children:
+        child.start()
+    try:
+        outcomes = {rank: outcome for rank, outcome, _ in _collect(queue, 2)}
+    finally:
+        for child in children:
+            child.join(timeout=120)
+    assert [child.exitcode for child in children] == [0, 0], "a rank died (gloo aborts on a size mismatch)"
+    consumer = outcomes[1]
+    assert consumer is not None and consumer.startswith("ValueError")
+    assert f"buffer_size_bytes={BUFFER}, this consumer's={BUFFER * 4}" in consumer
+
+
 def test_interoperates_both_ways_with_vllms_own_module(tmp_path: Any) -> None:
     try:
         pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
@@ -281,7 +359,7 @@ def test_shared_memory_ipc_between_processes_reuses_one_buffer_per_transfer() ->
     seeds = [31, 32, 33]
     chunks_out = CTX.Queue()
     acks = CTX.Queue()
-    before = set(leftover_segments())
+    before = set(leftover_segments(scope=current_scope()))
     child = CTX.Process(target=shm_ipc_consumer, args=(seeds, chunks_out, acks))
     child.start()
     try:
@@ -303,4 +381,4 @@ def test_shared_memory_ipc_between_processes_reuses_one_buffer_per_transfer() ->
     finally:
         child.join(timeout=60)
     assert child.exitcode == 0
-    assert set(leftover_segments()) == before
+    assert set(leftover_segments(scope=current_scope())) == before

@@ -16,6 +16,7 @@ from tests.conftest import RAY_TIMEOUT, ROOT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
 from weightsync import LoadWeightsSink, TrainerActor, WeightSync, WorkerActor
 from weightsync.core.transport.shm import leftover_segments
+from weightsync.core.wire.shm_names import current_scope
 from weightsync.glue.actors import TrainerHost, TrainerMixin, WorkerMixin
 from weightsync.tools.models import PolicyFactory, train_step
 
@@ -62,7 +63,7 @@ def test_three_syncs_with_training_in_between_are_bit_exact(
         after = get(workers[0].call.remote(state_of))
         assert any(not torch.equal(before[n], after[n]) for n in before), "the weights must have changed"
         assert ws.verify()
-    assert not leftover_segments()
+    assert not leftover_segments(scope=current_scope())
 
 
 def test_auto_picks_direct_for_colocated_module_workers_and_ipc_for_load_weights(actors: Any) -> None:

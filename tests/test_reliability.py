@@ -40,6 +40,7 @@ from weightsync.core.wire import (
     SyncSettings,
     WeightSyncError,
 )
+from weightsync.core.wire.shm_names import current_scope
 from weightsync.glue.actors import WorkerHost
 from weightsync.tools.bench.chunks import ChunkHandle, consume_chunk, pack_chunk
 
@@ -386,12 +387,12 @@ def test_200_syncs_grow_no_host_memory_segments_or_descriptors(actors: Any) -> N
     with WeightSync(trainer, workers, transport={"b": "broadcast", "i": "ipc", "d": "direct"}, buffer_bytes=2048) as ws:
         for version in range(1, 21):
             ws.sync(version)
-        segments = leftover_segments()
+        segments = leftover_segments(scope=current_scope())
         before = {n: get(h.call.remote(process_usage)) for n, h in [("trainer", trainer), *workers.items()]}
         for version in range(21, 201):
             ws.sync(version)
         after = {n: get(h.call.remote(process_usage)) for n, h in [("trainer", trainer), *workers.items()]}
-        assert leftover_segments() == segments == []
+        assert leftover_segments(scope=current_scope()) == segments == []
         for name in before:
             (rss0, fds0), (rss1, fds1) = before[name], after[name]
             # A descriptor per sync would add 180; Ray's own connections in the actor's
@@ -461,7 +462,8 @@ def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftov
     late.accept(sender.current_manifest)
     with pytest.raises(ExportNotFound, match="does not exist: it was closed, or belongs to a previous session"):
         act(late, "ipc", "attach", export, 0)
-    foreign = ShmHandle(path="/dev/shm/weightsync-x", nbytes=16, hostname="another-host", session="s")
+    path = "/dev/shm/weightsync-1-1-0-0123456789abcdef-slots"
+    foreign = ShmHandle(path=path, nbytes=16, hostname="another-host", session="s")
     from weightsync.core.transport.shm import map_shm
 
     with pytest.raises(ExportNotFound, match="lives on host 'another-host'"):

@@ -15,7 +15,8 @@ from weightsync.core.transport.base import Sources
 from weightsync.core.transport.broadcast import BroadcastSender
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.transport.shm import leftover_segments
-from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TransferTimeout
+from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TransferError, TransferTimeout
+from weightsync.core.wire.shm_names import current_scope
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]
@@ -96,7 +97,7 @@ def test_shm_ipc_never_rewrites_a_slot_a_consumer_still_reads(num_buffers: int, 
     finally:
         child.join(timeout=60)
         sender.close_transports()
-    assert not any(export.session in name for name in leftover_segments())
+    assert not any(export.session in name for name in leftover_segments(scope=current_scope()))
 
 
 def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
@@ -208,3 +209,46 @@ def _join_and_idle(port: int, queue, ready) -> None:  # type: ignore[no-untyped-
     comm = GlooCommunicator("127.0.0.1", port, 1, 2, "idle", 2.0)
     queue.get(timeout=120)
     comm.close()
+
+
+def _wait_for_rank_0(port: int, ready, queue) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1: joins, then waits (for up to the op timeout) on a broadcast from rank 0 that
+    rank 0 never sends; reports the error class and text it ended with."""
+    try:
+        ready.put("joining")
+        comm = GlooCommunicator("127.0.0.1", port, 1, 2, "abort", 30.0)
+        ready.put("joined")
+        try:
+            comm.broadcast(torch.zeros(16), 0).wait(time.monotonic() + 30.0)
+            queue.put(("completed", ""))
+        except Exception as exc:
+            queue.put((type(exc).__name__, str(exc)))
+        comm.abort()
+    except BaseException as exc:
+        queue.put(("setup", repr(exc)))
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_a_rank_aborting_while_it_waits_on_a_live_peer_fails_that_peer_by_abort_not_timeout(attempt: int) -> None:
+    # Destroying a gloo group waits for its pending receives, so a rank that aborted while
+    # waiting on a live peer used to keep its sockets open, and the peer waiting, until
+    # gloo's timeout; the abort word reaches the peer at once.
+    store = open_store("127.0.0.1", 0, 2, 120.0)
+    ready, queue = CTX.Queue(), CTX.Queue()
+    child = CTX.Process(target=_wait_for_rank_0, args=(store.port, ready, queue))
+    child.start()
+    try:
+        assert ready.get(timeout=120) == "joining"
+        comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "abort", 30.0, store=store)
+        assert ready.get(timeout=120) == "joined"
+        # Rank 0 waits on a broadcast from rank 1, which rank 1 never sends, then fails.
+        pending = comm.broadcast(torch.zeros(16), 1)
+        comm.abort()
+        kind, text = queue.get(timeout=120)
+        assert kind == "TransferError", f"rank 1 ended with {kind}: {text}"
+        assert "rank 0" in text and "aborted" in text, text
+        with pytest.raises(TransferError):
+            pending.wait(time.monotonic() + 30.0)
+    finally:
+        child.join(timeout=120)
+    assert child.exitcode == 0

@@ -49,6 +49,12 @@ the wire and the chunk boundaries do not change):
   ``post_unpack_func`` stay valid after the call.
 - CPU tensors work: the broadcast functions run without streams over a CPU group, and the
   IPC functions export a ``/dev/shm`` buffer when ``gpu_uuid="cpu"``.
+- The broadcast producer sends a 32-byte size header before each chunk and after the last
+  (:mod:`weightsync.compat.packed_header`), and the consumer checks it before receiving:
+  a consumer whose ``buffer_size_bytes`` or metadata differ from the producer's raises
+  ``ValueError`` naming the chunk's first tensor and both sides' sizes (vLLM's consumer
+  unpacked wrong bytes as a success, or aborted inside gloo). vLLM's own module sends no
+  header: pass ``size_header=False`` to the weightsync side that talks to it.
 - ``unpack_tensor`` and ``packed_ipc_consumer`` refuse metadata whose lists differ in
   length or whose sizes disagree with the shapes, naming the tensor; ``PackedBufferImporter``
   counts its ``mapped`` and ``released`` buffers.
@@ -66,6 +72,7 @@ from typing import Any
 
 import torch
 
+from weightsync.compat import packed_header
 from weightsync.compat.packed_ipc import (
     CPU_HANDLE_KEY,
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -237,20 +244,24 @@ def packed_nccl_broadcast_producer(
     num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    size_header: bool = True,
 ) -> None:
     """Broadcast ``post_iter_func(item)`` for every item from rank ``src``, packed into chunks.
 
     With CUDA tensors, chunk k is packed and broadcast on slot stream ``k % num_buffers``, so
     packing chunk k+1 overlaps sending chunk k; a slot is reused only after its stream
     finished. Every slot is drained before returning. Consumers must use the same
-    ``buffer_size_bytes`` and metadata for the same tensors in the same order.
+    ``buffer_size_bytes`` and metadata for the same tensors in the same order; with
+    ``size_header`` (pass False only to feed vLLM's own consumer) a consumer that does not
+    raises ``ValueError`` instead of receiving wrong bytes.
     """
     _check_settings(buffer_size_bytes, num_buffers, timeout_s)
     iterator = iter(iterator)
     first = next(iterator, None)
     if first is None:
         return
-    streams = SlotStreams(first[1].device if first[1].is_cuda else torch.device("cpu"), num_buffers)
+    device = first[1].device if first[1].is_cuda else torch.device("cpu")
+    streams = SlotStreams(device, num_buffers)
     items = itertools.chain([first], iterator)
     buffers: list[torch.Tensor | None] = [None] * num_buffers
     caller = streams.caller_stream()
@@ -264,6 +275,8 @@ def packed_nccl_broadcast_producer(
                 streams.wait_for(slot, caller)
                 taken = _take(items, post_iter_func, buffer_size_bytes, 0)
                 if not taken.names:
+                    if size_header:  # the end, so a consumer expecting more tensors says so
+                        packed_header.send(group, src, device, buffer_size_bytes, 0, 0)
                     break
                 total = sum(taken.sizes)
                 buffer = buffers[slot]
@@ -271,6 +284,8 @@ def packed_nccl_broadcast_producer(
                     buffer = torch.empty(total, dtype=torch.uint8, device=taken.tensors[0].device)
                     buffers[slot] = buffer
                 _pack_into(buffer, 0, taken.tensors, streams.stream(slot) if streams.is_cuda else None)
+                if size_header:
+                    packed_header.send(group, src, buffer.device, buffer_size_bytes, total, len(taken.names))
                 del taken
                 group.broadcast(buffer[:total], src=src)
             slot = (slot + 1) % num_buffers
@@ -308,6 +323,7 @@ def packed_nccl_broadcast_consumer(
     device: torch.device | str = "cuda",
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    size_header: bool = True,
 ) -> None:
     """Receive what the producer broadcasts and hand each chunk's tensors to ``post_unpack_func``.
 
@@ -315,6 +331,9 @@ def packed_nccl_broadcast_consumer(
     follow from it exactly as the producer's follow from its tensors. ``device`` is where
     chunks are received (the communicator's device). ``post_unpack_func`` runs on the slot's
     stream with views into that chunk's own tensor. Every slot is drained before returning.
+    With ``size_header`` (pass False only to read vLLM's own producer), each chunk's size is
+    checked against the producer's before it is received: a different ``buffer_size_bytes``
+    or metadata raises ``ValueError`` naming the chunk's first tensor and both sizes.
     """
     _check_settings(buffer_size_bytes, num_buffers, timeout_s)
     dev = torch.device(device)
@@ -325,15 +344,21 @@ def packed_nccl_broadcast_consumer(
     caller = streams.caller_stream()
     iterator = iter(iterator)
     slot = 0
+    chunk = 0
     try:
         while True:
             metas = _take_meta(iterator, buffer_size_bytes)
-            if not metas:
-                break
+            if not metas and not (size_header and chunk):
+                break  # no metadata at all: the producer's empty iterator sends nothing either
             streams.drain_slot(slot, time.monotonic() + timeout_s, _late(f"slot {slot}'s previous chunk", timeout_s))
             in_flight[slot] = None
             with streams.use(slot):
                 streams.wait_for(slot, caller)
+                if size_header:
+                    packed_header.expect(group, src, dev, buffer_size_bytes, metas, chunk)
+                chunk += 1
+                if not metas:
+                    break
                 packed = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8, device=dev)
                 group.broadcast(packed, src=src)
                 in_flight[slot] = packed

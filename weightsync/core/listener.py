@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from weightsync.core.transport.mailbox import STOP, Doorbell, Mailbox, ring
-from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.transport.doorbell import Doorbell, ring
+from weightsync.core.transport.mailbox import STOP, Mailbox
+from weightsync.core.wire.errors import TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, PushExport, ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import failed, ok
 
@@ -59,7 +61,11 @@ class Listener:
 
     def export(self) -> PushExport:
         return PushExport(
-            worker=self.name, mailbox=self.mailbox.handle(), doorbell=self.doorbell.address, pid=os.getpid()
+            worker=self.name,
+            mailbox=self.mailbox.handle(),
+            doorbell=self.doorbell.address,
+            doorbell_key=self.doorbell.key,
+            pid=os.getpid(),
         )
 
     def seal(self) -> None:
@@ -103,9 +109,14 @@ class Listener:
         self.mailbox.reply(call.seq, PushAnswer(outcome=outcome, version=version, state=state), _shortened)
 
     def stop(self) -> None:
-        """Ask the thread to end; it answers a sync in flight first."""
+        """Ask the thread to end; it answers a sync in flight first. Never blocks: the ring
+        only saves the thread's idle wait, and a full doorbell queue (a stalled thread, or
+        another process flooding it) means it wakes anyway."""
         self._stop.set()
-        ring(self.doorbell.address)
+        try:
+            ring(self.doorbell.address, self.doorbell.key, time.monotonic(), self.name)
+        except TransferTimeout:
+            log.debug("weightsync: %s's doorbell is full; its listener sees the stop within %.2f s", self.name, _IDLE_S)
 
     def join(self, timeout_s: float) -> bool:
         self._thread.join(timeout_s)

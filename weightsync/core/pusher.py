@@ -22,11 +22,11 @@ after a failed push this pusher answers ``setup_needed`` until ``WeightSync.setu
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from weightsync.core.transport.doorbell import ring
 from weightsync.core.transport.mailbox import ANSWERED, Mailbox
 from weightsync.core.transport.regions import RegionImporter
 from weightsync.core.transport.shm import pid_alive
@@ -53,7 +53,6 @@ class Pusher:
         self._boxes: dict[str, _Box] = {}
         self.seq = 0
         self.broken = False
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -90,10 +89,11 @@ class Pusher:
             if not box.mailbox.stopped:
                 box.mailbox.post(call)
                 try:
-                    self._sock.sendto(b"!", box.export.doorbell)
+                    if ring(box.export.doorbell, box.export.doorbell_key, deadline, worker):
+                        continue
+                except TransferTimeout as exc:
+                    answers[worker] = PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
                     continue
-                except (ConnectionRefusedError, FileNotFoundError):
-                    pass
             if not pid_alive(box.export.pid):
                 answers[worker] = PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
                 continue
@@ -147,7 +147,6 @@ class Pusher:
     def close(self) -> None:
         for worker in list(self._boxes):
             self.forget(worker)
-        self._sock.close()
 
 
 def _lost(worker: str, status: Status) -> Outcome:

@@ -10,19 +10,34 @@ The store listens on the one address it is given, never on every interface: torc
 :func:`open_store` binds and listens on a socket of its own and hands it over
 (``master_listen_fd``). The store has no authentication: whoever can reach the address can
 read and write keys, so the callers keep their keys under an unguessable prefix.
+
+An abort must reach every peer at once. Dropping a gloo group closes its sockets (which
+fails the peers' pending operations) only once the group is destroyed, and destroying it
+waits for the group's own pending operations: a rank that aborts while it still waits to
+receive from a live peer would keep its sockets open, and that peer waiting, until gloo's
+timeout. So :meth:`GlooCommunicator.abort` also writes an abort word into the group's
+store, every wait polls it, and the group is released on a background thread.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from weightsync.core.wire.errors import TransferError, TransferTimeout, WeightSyncError
+
+log = logging.getLogger("weightsync")
+_ABORT_KEY = "weightsync-abort"
+#: How often a wait looks at the abort word.
+_SLICE_S = 0.01
 
 
 def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -53,27 +68,55 @@ def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.
 
 
 class _GlooWork:
-    def __init__(self, work: dist.Work, rank: int, timeout_s: float) -> None:
+    def __init__(self, work: dist.Work, rank: int, timeout_s: float, aborted: Callable[[], int | None]) -> None:
         self._work = work
         self._rank = rank
         self._timeout_s = timeout_s
+        self._aborted = aborted
 
     def wait(self, deadline: float) -> None:
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            self._work.wait(datetime.timedelta(seconds=left))
-        except RuntimeError as exc:
-            # A deadline that has passed tells a timeout from a peer that left; the text of
-            # gloo's message is not read.
-            if time.monotonic() >= deadline - 0.01:
+        """Poll until the operation completed, a peer wrote the abort word (looked at every
+        10 ms), or ``deadline``. Polling, not a wait with a timeout: a gloo work's timed wait
+        is not safe to give up on and repeat."""
+        spins = 0
+        delay = 10e-6
+        next_check = time.monotonic() + _SLICE_S
+        while not self._work.is_completed():
+            spins += 1
+            if spins <= 1000:
+                continue
+            now = time.monotonic()
+            if now >= deadline:
                 raise TransferTimeout(
-                    f"rank {self._rank}: gloo collective did not complete within "
-                    f"{self._timeout_s:.1f}s; a peer is dead or stuck (raise timeout_s for "
-                    f"slow links): {exc}"
-                ) from exc
-            raise TransferError(
-                f"rank {self._rank}: gloo collective failed, a peer left the group or crashed: {exc}"
+                    f"rank {self._rank}: gloo collective did not complete within {self._timeout_s:.1f}s; "
+                    "a peer is dead or stuck (raise timeout_s for slow links)"
+                )
+            if now >= next_check:
+                next_check = now + _SLICE_S
+                who = self._aborted()
+                if who is not None:
+                    raise TransferError(
+                        f"rank {self._rank}: rank {who} of the gloo group failed and aborted it; stopped waiting"
+                    )
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            self._failed(exc, deadline)
+
+    def _failed(self, exc: RuntimeError, deadline: float) -> None:
+        # A deadline that has passed tells a timeout from a peer that left; the text of
+        # gloo's message is not read.
+        if time.monotonic() >= deadline - 0.01:
+            raise TransferTimeout(
+                f"rank {self._rank}: gloo collective did not complete within "
+                f"{self._timeout_s:.1f}s; a peer is dead or stuck (raise timeout_s for "
+                f"slow links): {exc}"
             ) from exc
+        raise TransferError(
+            f"rank {self._rank}: gloo collective failed, a peer left the group or crashed: {exc}"
+        ) from exc
 
 
 class GlooCommunicator:
@@ -109,6 +152,8 @@ class GlooCommunicator:
                 use_libuv=True,
             )
         self._store = store
+        self._flags = dist.PrefixStore(f"{group_name}/flags", store)
+        self._store_gone = False
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
@@ -121,6 +166,23 @@ class GlooCommunicator:
             raise WeightSyncError(f"rank {self.rank}: the gloo group was closed or aborted; run setup() again")
         return self._pg
 
+    def aborted_by(self) -> int | None:
+        """The rank that wrote this group's abort word, or None (also when the store is gone:
+        its host, rank 0, is then dead, which fails every operation with it anyway)."""
+        if self._store_gone:
+            return None
+        try:
+            if not self._flags.check([_ABORT_KEY]):
+                return None
+            return int(self._flags.get(_ABORT_KEY))
+        except Exception as exc:  # noqa: BLE001 - the store's host died; stop asking it
+            log.debug("weightsync: rank %d: the group's store stopped answering: %s", self.rank, exc)
+            self._store_gone = True
+            return None
+
+    def _work(self, work: dist.Work) -> _GlooWork:
+        return _GlooWork(work, self.rank, self._timeout_s, self.aborted_by)
+
     def agree(self, refuse: bool, deadline: float) -> list[int]:
         flags = torch.zeros(self.world_size, dtype=torch.int64)
         if refuse:
@@ -128,7 +190,7 @@ class GlooCommunicator:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-        _GlooWork(self._group().allreduce([flags], opts), self.rank, self._timeout_s).wait(deadline)  # type: ignore[attr-defined]
+        self._work(self._group().allreduce([flags], opts)).wait(deadline)  # type: ignore[attr-defined]
         return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> _GlooWork:
@@ -136,18 +198,32 @@ class GlooCommunicator:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = datetime.timedelta(seconds=self._timeout_s)
-        return _GlooWork(self._group().broadcast([tensor], opts), self.rank, self._timeout_s)  # type: ignore[attr-defined]
+        return self._work(self._group().broadcast([tensor], opts))  # type: ignore[attr-defined]
 
     def abort(self) -> None:
-        """Drop the group: once its last reference (and its works') is gone, its sockets close
-        and every peer's pending operation fails at once ("connection closed by peer")."""
+        """Write the abort word (every peer's wait sees it within a slice) and drop the group
+        on a background thread: once it is destroyed its sockets close too, but destroying it
+        waits for its own pending operations, which must not hold this caller."""
         pg, self._pg = self._pg, None
-        if pg is not None:
-            pg.abort()
-            del pg
-            gc.collect()
+        if pg is None:
+            return
+        if not self._store_gone:
+            try:
+                self._flags.set(_ABORT_KEY, str(self.rank))
+            except Exception as exc:  # noqa: BLE001 - the store's host died; its sockets tell the peers
+                log.debug("weightsync: rank %d could not write the abort word: %s", self.rank, exc)
+        # Not a daemon: the interpreter waits for it at exit (a group destroyed while Python
+        # finalizes aborts the process), at most gloo's timeout, as a synchronous drop would.
+        threading.Thread(target=_release, args=(pg,), name=f"weightsync-gloo-abort-{self.rank}").start()
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
         if pg is not None:
             pg.shutdown()
+
+
+def _release(pg: dist.ProcessGroupGloo) -> None:
+    """Abort and drop ``pg``; its sockets close once it and its works are gone."""
+    pg.abort()
+    del pg
+    gc.collect()

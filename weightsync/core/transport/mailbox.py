@@ -15,18 +15,13 @@ in the mailbox. Word layout after the control block's header::
     word 5  STOP        set by the worker when its listener ended (the trainer stops waiting)
     then    the answer's bytes
 
-Both sides of a mailbox live on one host: the doorbell is an abstract Unix socket on Linux
-(no file to leak) and a socket file in the temp directory elsewhere.
+Both sides of a mailbox live on one host; the doorbell is in
+:mod:`weightsync.core.transport.doorbell`.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
-import sys
-import tempfile
-import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -98,47 +93,3 @@ class Mailbox:
     @property
     def stopped(self) -> bool:
         return bool(self.control[STOP])
-
-
-class Doorbell:
-    """The listener's end: a datagram socket it sleeps on; :func:`ring` wakes it."""
-
-    def __init__(self) -> None:
-        name = f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._file: str | None = None
-        if sys.platform.startswith("linux"):
-            self.address = "\0" + name
-        else:
-            self._file = self.address = os.path.join(tempfile.gettempdir(), name + ".sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.address)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep until rung (True) or ``timeout_s`` passed (False); drains queued rings."""
-        self.sock.settimeout(timeout_s)
-        try:
-            self.sock.recv(16)
-        except TimeoutError:
-            return False
-        self.sock.setblocking(False)
-        try:
-            while True:
-                self.sock.recv(16)
-        except BlockingIOError:
-            pass
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
-        if self._file is not None and os.path.exists(self._file):
-            os.unlink(self._file)
-
-
-def ring(address: str) -> bool:
-    """Wake the listener at ``address``; False when nobody listens there any more."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.sendto(b"!", address)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-    return True

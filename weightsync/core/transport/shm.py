@@ -2,30 +2,34 @@
 
 ``torch.from_file(path, shared=True)`` in each process is the simplest export that works
 between Ray actors (torch's ``file_descriptor`` sharing strategy needs an authkey they do
-not share). The producer creates the file; consumers map it once. Once every consumer has
-mapped it, :meth:`ShmRegion.unlink` removes the name while the mappings stay valid, so
-nothing is left in ``/dev/shm`` even if a process is killed later.
+not share). The producer creates the file (owner-only); consumers map it once. Once every
+consumer has mapped it, :meth:`ShmRegion.unlink` removes the name while the mappings stay
+valid, so nothing is left in ``/dev/shm`` even if a process is killed later.
+
+A consumer maps only what a handle may name (:func:`map_shm`): a weightsync region's name
+directly in ``/dev/shm`` (:mod:`weightsync.core.wire.shm_names`), a regular file of this
+user, not a link; anything else is refused by path before it is opened.
 
 A process killed between creating a region and unlinking it leaves its file behind; the
-file's name carries the creator's pid, so the next region made on this host removes the
-files whose creator is gone (:func:`remove_orphans`), and only those.
+name carries the creator's pid and pid namespace, so every region made on this host first
+removes the files whose creator is gone (:func:`remove_orphans`): only this user's files
+of this pid namespace, since a pid means nothing in another one (a container sharing
+``/dev/shm``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
-import uuid
+import stat
 import weakref
 
 import torch
 
-from weightsync.core.wire.errors import ExportNotFound
+from weightsync.core.wire.errors import ExportNotFound, ForeignPath, SettingsError
 from weightsync.core.wire.messages import ShmHandle
-
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "weightsync-"
-_swept: set[str] = set()
+from weightsync.core.wire.shm_names import SHM_DIR, SHM_PREFIX, SegmentName, confined_path, pid_namespace
 
 
 def _unlink_quietly(path: str) -> None:
@@ -35,23 +39,44 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+def _check_size(nbytes: int, tag: str) -> None:
+    """Refuse a size that is not one, or that ``/dev/shm`` cannot hold, before any file exists
+    (tmpfs grants any ``ftruncate`` up to its limit and fails the write that does not fit)."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise SettingsError(f"a shared-memory region ({tag}) needs a size in bytes, got {nbytes!r}")
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise SettingsError(
+            f"a shared-memory region ({tag}) of {nbytes} bytes does not fit in {SHM_DIR}, which has {free} bytes "
+            "free: lower buffer_bytes (or buffer_size_bytes), or make /dev/shm larger"
+        )
+
+
 class ShmRegion:
     """A producer-owned ``/dev/shm`` region of ``nbytes`` bytes, created and mapped once."""
 
-    def __init__(self, nbytes: int, tag: str = "buf", directory: str = SHM_DIR) -> None:
-        if directory not in _swept:
-            _swept.add(directory)
-            remove_orphans(directory)
-        self.session = uuid.uuid4().hex[:16]
-        self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{self.session}-{tag}")
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def __init__(self, nbytes: int, tag: str = "buf") -> None:
+        _check_size(nbytes, tag)
+        remove_orphans()
+        name = SegmentName.fresh(tag)
+        self.session = name.session
+        self.path = os.path.join(SHM_DIR, str(name))
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+            finally:
+                os.close(fd)
+            self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+        except BaseException:
+            _unlink_quietly(self.path)
+            raise
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
         self.nbytes = nbytes
-        self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
 
     def handle(self) -> ShmHandle:
         return ShmHandle(path=self.path, nbytes=self.nbytes, hostname=socket.gethostname(), session=self.session)
@@ -66,57 +91,83 @@ class ShmRegion:
 
 
 def map_shm(handle: ShmHandle) -> torch.Tensor:
-    """Map a producer's region in this process (the caller keeps it for the session)."""
+    """Map a producer's region in this process (the caller keeps it for the session).
+
+    The handle may have crossed a process boundary, so its path is checked again here (an
+    unpickled handle skips its own checks): a weightsync region directly in ``/dev/shm``,
+    a regular file owned by this user, opened without following a link.
+    """
+    confined_path(handle.path, f"shared-memory export (session {handle.session})")
     if handle.hostname != socket.gethostname():
         raise ExportNotFound(
             f"shared-memory export {handle.path} lives on host {handle.hostname!r}, this is "
             f"{socket.gethostname()!r}: the ipc transport needs trainer and worker on one node "
             "(use transport='broadcast' across nodes)"
         )
-    if not os.path.exists(handle.path):
+    try:
+        fd = os.open(handle.path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
         raise ExportNotFound(
             f"shared-memory export {handle.path} (session {handle.session}) does not exist: "
             "it was closed, or belongs to a previous session; run WeightSync.setup() again"
-        )
-    size = max(handle.nbytes, 1)
-    actual = os.path.getsize(handle.path)
-    if actual < size:
-        raise ExportNotFound(
-            f"shared-memory export {handle.path} holds {actual} bytes, the handle says "
-            f"{handle.nbytes}: a stale or foreign handle"
-        )
-    return torch.from_file(handle.path, shared=True, size=size, dtype=torch.uint8)[: handle.nbytes]
-
-
-def leftover_segments(directory: str = SHM_DIR) -> list[str]:
-    """Names of weightsync regions in ``directory`` (for tests and ``doctor``)."""
+        ) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ForeignPath(f"shared-memory export {handle.path} is a symbolic link, not a region: refused") from None
     try:
-        return sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ExportNotFound(
+                f"shared-memory export {handle.path} is not a regular file of this user (uid {info.st_uid}, "
+                f"mode {stat.filemode(info.st_mode)}): refused"
+            )
+        size = max(handle.nbytes, 1)
+        if info.st_size < size:
+            raise ExportNotFound(
+                f"shared-memory export {handle.path} holds {info.st_size} bytes, the handle says "
+                f"{handle.nbytes}: a stale or foreign handle"
+            )
+        # The descriptor just checked, not the name again, is what gets mapped.
+        source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else handle.path
+        return torch.from_file(source, shared=True, size=size, dtype=torch.uint8)[: handle.nbytes]
+    finally:
+        os.close(fd)
+
+
+def leftover_segments(directory: str = SHM_DIR, *, scope: str | None = None) -> list[str]:
+    """Names of weightsync regions in ``directory`` (for tests and ``doctor``); with
+    ``scope``, only the regions created under that scope (``$WEIGHTSYNC_SHM_SCOPE``)."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
     except FileNotFoundError:
         return []
-
-
-def creator_pid(name: str) -> int | None:
-    """The pid embedded in a region's file name (``weightsync-<pid>-<session>-<tag>``)."""
-    if not name.startswith(SHM_PREFIX):
-        return None
-    head = name[len(SHM_PREFIX) :].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+    if scope is None:
+        return names
+    return [n for n in names if (parsed := SegmentName.parse(n)) is not None and parsed.scope == scope]
 
 
 def remove_orphans(directory: str = SHM_DIR) -> list[str]:
     """Remove the regions in ``directory`` whose creating process no longer exists.
 
-    Runs once per process, before its first region. A file whose creator is alive, or whose
-    name carries no pid, is left alone. Returns the names removed.
+    Runs before every region this process creates, so a region left by a process killed
+    between export and seal is gone at the next set-up on this host. Only regions of this
+    user and of this pid namespace are judged: a creator in another namespace (another
+    container sharing ``/dev/shm``) cannot be looked up from here, so its regions stay.
+    Returns the names removed.
     """
     removed = []
+    here = pid_namespace()
+    uid = os.getuid()
     for name in leftover_segments(directory):
-        pid = creator_pid(name)
-        if pid is None or pid == os.getpid() or pid_alive(pid):
+        parsed = SegmentName.parse(name)
+        if parsed is None or parsed.pidns != here or parsed.pid == os.getpid() or pid_alive(parsed.pid):
             continue
+        path = os.path.join(directory, name)
         try:
-            os.unlink(os.path.join(directory, name))
+            if os.lstat(path).st_uid != uid:
+                continue
+            os.unlink(path)
         except FileNotFoundError:
             continue
         removed.append(name)

@@ -73,6 +73,10 @@ class ExportNotFound(WeightSyncError, FileNotFoundError):
     """An export handle names a region that no longer exists (or is on another host)."""
 
 
+class ForeignPath(WeightSyncError, ValueError):
+    """A path received from another process that is not one of weightsync's own regions."""
+
+
 class DeviceMismatch(WeightSyncError, ValueError):
     """A CUDA IPC handle for a GPU this process cannot see."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.shm_names import confined_path
 
 
 def _require(condition: bool, message: str) -> None:
@@ -112,7 +113,8 @@ class GroupSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ShmHandle:
-    """A shared-memory region as it crosses a process boundary."""
+    """A shared-memory region as it crosses a process boundary; ``path`` may only name one
+    of weightsync's regions in ``/dev/shm`` (checked here and again where it is mapped)."""
 
     path: str
     nbytes: int
@@ -120,6 +122,7 @@ class ShmHandle:
     session: str
 
     def __post_init__(self) -> None:
+        confined_path(self.path, f"shared-memory handle (session {self.session!r})")
         _require(_is_int(self.nbytes) and self.nbytes >= 0, f"shared-memory handle size {self.nbytes!r} is not a size")
 
 
@@ -270,10 +273,16 @@ class PushExport:
     worker: str
     mailbox: ShmHandle
     doorbell: str
+    #: The secret each ring carries; the listener ignores a datagram without it.
+    doorbell_key: bytes
     pid: int
 
     def __post_init__(self) -> None:
         _require(bool(self.worker) and bool(self.doorbell), "a push export names its worker and its doorbell")
+        _require(
+            isinstance(self.doorbell_key, bytes) and len(self.doorbell_key) == 16,
+            f"{self.worker}: a push export's doorbell key must be 16 bytes, got {self.doorbell_key!r}",
+        )
         _require(_is_int(self.pid) and self.pid > 0, f"a push export's pid must be a positive int, got {self.pid!r}")
 
 
