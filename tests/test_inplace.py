@@ -21,6 +21,7 @@ from tests.helpers import assert_bit_equal, random_tensor
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
+from weightsync.core.packing import tensor_checksums
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
 from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
@@ -178,6 +179,12 @@ class OddLanding(ModuleSink):
         dests = super().destinations(manifest)
         dests[manifest.names.index("q")] = self.q64  # received fp32 bytes must never land raw here
         return dests
+
+    def checksums(self, manifest: Manifest) -> list[int]:
+        """What it holds: ``q`` lives in ``q64`` (verify reads the destinations back)."""
+        sums = super().checksums(manifest)
+        sums[manifest.names.index("q")] = tensor_checksums([self.q64.float()])[0]
+        return sums
 
 
 def test_strided_and_other_dtype_destinations_fall_back_bit_exact() -> None:

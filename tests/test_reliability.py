@@ -149,7 +149,7 @@ def test_ipc_and_direct_refuse_workers_off_the_trainers_device(actors: Any) -> N
             node_id=node, node_ip="127.0.0.1", hostname="h", pid=1, device="cpu", gpu_uuid=None, sink_allows_direct=True
         )
 
-    w = ws._workers["worker-0"]
+    w = ws._members.members["worker-0"]
     with pytest.raises(SettingsError, match="worker-0: transport 'ipc' needs the worker on the trainer's device"):
         choose_transport(where("this-node"), where("other-node"), w.requested, w.name)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from weightsync.core import registry
-from weightsync.core.packing import tensor_checksums
+from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.sinks import TensorPaths, module_tensors
 from weightsync.core.transport.base import SendHalf, Sources, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
@@ -187,20 +187,37 @@ class WeightSender:
         deadline = self.session.deadlines.leader(time.monotonic())
         call = self.resolve(call)
         failure: BaseException | None = None
+        sources: Sources | None = None
         try:
-            checksums, stale = self.drive(self.checked_sources(), call, deadline)
+            sources = self.checked_sources()
+            checksums, stale = self.drive(sources, call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
             self.abort_halves(call)
             raise failure
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
+        assert sources is not None
+        return SendResult(
+            checksums=checksums,
+            stale=stale,
+            seconds=time.perf_counter() - start,
+            tensor_checksums=sources.checksums or [],
+        )
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
         """Run this sync's halves over ``sources`` in the order of ``call.targets``;
-        (checksums per transport, stale workers)."""
+        (checksums per transport, stale workers). With ``verify``, first one walk for the
+        checksum of every tensor as it travels (``sources.checksums``), what each worker's
+        destination is compared with before it commits."""
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
+        if call.verify:
+            specs = self.current_manifest.specs
+            with torch.no_grad():
+                # One cast at a time: streamed sources must not all be alive at once.
+                sources.checksums = read_checksums(
+                    [word_sum(t.to(spec.torch_dtype)) for t, spec in zip(sources.tensors, specs)]
+                )
         for kind in call.kinds:
             checksums[kind], found = self.open_half(kind).send(sources, call, deadline)
             stale += found
@@ -216,8 +233,9 @@ class WeightSender:
         return replace(call, targets={kind: self.halves[kind].peers for kind in kinds})
 
     def walks(self, call: SyncCall) -> int:
-        """The passes over the tensors this sync's halves make (see weightsync.core.sharded)."""
-        return sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+        """The passes over the tensors this sync makes: one for the checksums with ``verify``,
+        then its halves' (see weightsync.core.sharded)."""
+        return int(call.verify) + sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
 
     def abort_halves(self, call: SyncCall) -> None:
         """Tell every peer of this sync's transports that this side failed."""

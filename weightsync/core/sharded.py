@@ -21,8 +21,10 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
                     peer is left inside a gather
 
 A walk a half needs is one pass in manifest order; each half says how many it makes
-(``SendHalf.walks``): broadcast and ipc one each, direct one per direct worker written
-(plus one for its checksums when verifying).
+(``SendHalf.walks``): broadcast and ipc one each, direct one per direct worker written;
+with ``verify`` the sender first makes one more, for the checksum of every tensor (what
+each worker's destination is compared with, against rank 0's: a replicated tensor that
+differs between ranks is caught there, naming it).
 
 Waits: the agreement and the common gathers (``Shard(0)`` on a 1-D mesh, as FSDP2 lays
 out, and ``Replicate``) are issued as async collectives and waited with the sync's
@@ -360,6 +362,7 @@ class ShardedSender(WeightSender):
         stale: tuple[str, ...] = ()
         failure: BaseException | None = None
         gathered: GatheredTensors | None = None
+        streamed: Sources | None = None
         try:
             try:
                 sources = self.checked_sources()
@@ -367,7 +370,8 @@ class ShardedSender(WeightSender):
                 self._agree(0, True, _Wait(self.session.deadlines.follower(began), self.name, self.peers))
                 raise
             gathered = self._walk(sources, self.walks(call), began)
-            checksums, stale = self.drive(Sources(gathered, None, streamed=True), call, deadline)
+            streamed = Sources(gathered, None, streamed=True)
+            checksums, stale = self.drive(streamed, call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if gathered is not None:
@@ -378,7 +382,12 @@ class ShardedSender(WeightSender):
         if failure is not None:
             self.abort_halves(call)
             raise failure
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
+        return SendResult(
+            checksums=checksums,
+            stale=stale,
+            seconds=time.perf_counter() - start,
+            tensor_checksums=(streamed.checksums if streamed is not None else None) or [],
+        )
 
     def checksums(self) -> list[int]:
         """Per tensor, the checksum of the full tensor as it travels (every rank calls it)."""

@@ -6,9 +6,11 @@ A round, as :class:`Round` runs it::
                                                                     and first chunk overlap the
                                                                     workers' calls starting)
     per worker:        ws_receive(call)
-    per worker whose transport cannot tell that the sender finished:
-                       ws_commit(call, send ref, receive ref)       (chained on both answers by
-                                                                    object refs: no round trip)
+    per worker whose transport cannot tell that the sender finished, and every worker
+    with verify:       ws_commit(call, send ref, receive ref,       (chained on the answers by
+                                 lead's send ref with verify)       object refs: no round trip;
+                                                                    the destination is checked
+                                                                    against the lead's checksums)
     gather once -> each party's final outcome -> all ok, or the failure policy
 
 In push mode a round is one call, to the trainer, which wakes the listening workers
@@ -60,10 +62,15 @@ class Round:
             calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
         for m in members:
             calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
-        chained = {m.name for m in members if not registry.get(m.transport).commits_alone}
+        # With verify every worker commits in a chained call: its destination is compared
+        # with the lead's checksums (one reference for every rank's workers).
+        chained = {m.name for m in members if call.verify or not registry.get(m.transport).commits_alone}
+        reference = calls[(lead, "send")]
         for m in (m for m in members if m.name in chained):
             sent = calls[(self.ranks.names[m.rank], "send")]
-            calls[(m.name, "commit")] = m.handle.ws_commit.remote(call, sent, calls[(m.name, "receive")])
+            calls[(m.name, "commit")] = m.handle.ws_commit.remote(
+                call, sent, calls[(m.name, "receive")], reference if call.verify else None
+            )
         outs = self.steps.gather(calls)
         final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
         for m in members:

@@ -90,10 +90,11 @@ class WorkerMixin:
         """This worker's side of one sync (every transport); commits unless it is a broadcast."""
         return answer(self._me(), "receive", self._wr().receive, call)
 
-    def ws_commit(self, call: SyncCall, sent: Outcome, received: Outcome) -> Outcome:
-        """A broadcast worker takes the version once the trainer's side and its own receive are
-        known. Both arrive as Ray object refs, so Ray starts this as soon as both answered."""
-        return answer(self._me(), "commit", self._wr().commit, call, sent, received)
+    def ws_commit(self, call: SyncCall, sent: Outcome, received: Outcome, reference: Outcome | None = None) -> Outcome:
+        """A broadcast worker (every worker, with verify) takes the version once its server's
+        side, its own receive and, with verify, the reference trainer party's side are known.
+        They arrive as Ray object refs, so Ray starts this as soon as all answered."""
+        return answer(self._me(), "commit", self._wr().commit, call, sent, received, reference)
 
     def ws_settle(self) -> Outcome:
         return answer(self._me(), "settle", self._wr().settle)

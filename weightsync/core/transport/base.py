@@ -64,13 +64,16 @@ class Sources:
 
     ``streamed``: the tensors are made as they are read (a sharded rank gathers them bucket
     by bucket, :mod:`weightsync.core.sharded`): read them in manifest order, keep none past its
-    use, and plan nothing on their addresses (``key`` is None).
+    use, and plan nothing on their addresses (``key`` is None). ``checksums``: with
+    ``verify``, each tensor's checksum as it travels, computed once per sync by the sender
+    (a half that checks per tensor reuses them instead of walking the tensors again).
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], key: object, streamed: bool = False) -> None:
         self.tensors = tensors
         self.key = key
         self.streamed = streamed
+        self.checksums: list[int] | None = None
 
 
 class SendHalf(abc.ABC):

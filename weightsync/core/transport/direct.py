@@ -253,7 +253,9 @@ class DirectWriter(SendHalf):
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Write this sync's direct workers in turn; returns (checksums, workers found stale)."""
         checksums: list[int] = []
-        if call.verify:
+        if call.verify and sources.checksums is not None:
+            checksums = sources.checksums  # computed once by the sender for every half
+        elif call.verify:
             with torch.no_grad():
                 # One cast at a time: streamed sources must not all be alive at once.
                 checksums = read_checksums(
@@ -263,8 +265,9 @@ class DirectWriter(SendHalf):
         return checksums, stale
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
-        """One pass per worker written, and one for the checksums with ``verify``."""
-        return len(targets) + int(verify)
+        """One pass per worker written (the checksums with ``verify`` come from the sender's
+        own walk, ``Sources.checksums``)."""
+        return len(targets)
 
     def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
         """Copy every source into ``worker``'s region for sync ``seq``, once the worker
