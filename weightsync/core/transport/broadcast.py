@@ -86,7 +86,8 @@ class _PackedBroadcast:
         self.manifest = session.manifest
         self.deadlines = session.deadlines
         self.members = tuple(members)
-        nbuf = self.manifest.agreed.num_buffers
+        # num_buffers, never more than the plan has chunks.
+        nbuf = self.nbuf = self.manifest.depth(self.manifest.broadcast_chunks)
         # One stream per buffer slot, and the last one for the in-place operations.
         self.streams = SlotStreams(comm.device, nbuf + 1)
         self.lane = nbuf
@@ -105,10 +106,11 @@ class _PackedBroadcast:
         """The packing buffers, allocated on first use: each as large as the plan's largest
         packed chunk (at most ``buffer_bytes``; with most bytes in place, much less)."""
         if not self._buffers:
-            size = max((c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace), default=0)
+            packed = [c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace]
+            # Packed chunk p uses buffer p % nbuf: never more buffers than packed chunks.
             self._buffers = [
-                torch.empty(size, dtype=torch.uint8, device=self.comm.device)
-                for _ in range(self.manifest.agreed.num_buffers)
+                torch.empty(max(packed, default=0), dtype=torch.uint8, device=self.comm.device)
+                for _ in range(max(1, min(self.nbuf, len(packed))))
             ]
         return self._buffers
 
@@ -151,6 +153,7 @@ class _PackedBroadcast:
 
     def close(self, abort: bool = False) -> None:
         self._in_flight.clear()
+        self._buffers, self._scratch = [], None
         if abort or self._broken:
             self._broken = True
             self.comm.abort()
@@ -169,7 +172,7 @@ class BroadcastSender(_PackedBroadcast, SendHalf):
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self._agree(deadline)
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
         inplace: deque[tuple[Work, torch.Tensor]] = deque()
@@ -257,7 +260,7 @@ class BroadcastReceiver(_PackedBroadcast, ReceiveHalf):
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
-        nbuf = manifest.agreed.num_buffers
+        nbuf = self.nbuf
         direct = [self._direct_target(c, destinations) for c in plan]
         scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
         # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.

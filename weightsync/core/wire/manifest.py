@@ -239,13 +239,26 @@ class Manifest:
         spec_tuple = tuple(specs)
         check_specs(spec_tuple)
         a = agreed
+        total = sum(s.nbytes for s in spec_tuple)
+        # Every chunk holds at most buffer_bytes of aligned pieces: refuse before planning
+        # a plan too long to hold (a tiny buffer_bytes for a large model).
+        least = -(-sum(align_up(s.nbytes, a.alignment) for s in spec_tuple) // a.buffer_bytes)
+        _check_chunk_count(least, total, a)
+        chunks = plan_chunks(spec_tuple, a.buffer_bytes, a.alignment)
+        _check_chunk_count(len(chunks), total, a)
         return cls(
             specs=spec_tuple,
             agreed=a,
-            chunks=plan_chunks(spec_tuple, a.buffer_bytes, a.alignment),
+            chunks=chunks,
             broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes),
-            total_bytes=sum(s.nbytes for s in spec_tuple),
+            total_bytes=total,
         )
+
+    def depth(self, plan: Sequence[Chunk]) -> int:
+        """The buffers (slots) a transport rotates for ``plan``: ``num_buffers``, never more
+        than the plan has chunks (both sides derive it, so a huge ``num_buffers`` costs
+        nothing it cannot use)."""
+        return max(1, min(self.agreed.num_buffers, len(plan)))
 
     @property
     def inplace_count(self) -> int:
@@ -335,6 +348,20 @@ class Manifest:
                 f"(the trainer's settings are the ones used; drop the override on {who} or "
                 "make them equal): " + "; ".join(problems)
             )
+
+
+#: The most chunks one plan may hold: every chunk costs each side a little bookkeeping per
+#: sync, and a plan this long means ``buffer_bytes`` is far too small for the model.
+MAX_CHUNKS = 1 << 20
+
+
+def _check_chunk_count(count: int, total_bytes: int, agreed: AgreedSettings) -> None:
+    if count > MAX_CHUNKS:
+        raise SettingsError(
+            f"buffer_bytes={agreed.buffer_bytes} cuts {total_bytes} bytes of tensors into at least {count} chunks, "
+            f"more than the {MAX_CHUNKS} one plan may hold: raise buffer_bytes (to at least "
+            f"{-(-total_bytes // MAX_CHUNKS) + agreed.alignment}) or leave it at its default"
+        )
 
 
 def check_specs(specs: Sequence[TensorSpec]) -> None:
