@@ -3,6 +3,7 @@ chunks of a plan, and a plan's chunk count is bounded with an error naming the s
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -68,3 +69,21 @@ def test_a_plan_of_too_many_chunks_is_refused_naming_buffer_bytes() -> None:
         Manifest.build(big, buffer_bytes=16, num_buffers=2, alignment=16)
     assert str(MAX_CHUNKS) in str(refused.value)
     assert len(Manifest.build(big, buffer_bytes=1 << 20, num_buffers=2).chunks) == 32
+
+
+def test_a_manifest_of_many_tiny_tensors_is_small_and_checked_again_on_arrival() -> None:
+    """Per tensor a manifest holds one spec and, without in-place tensors, one plan shared
+    by ipc and broadcast (sent once); what arrives is rebuilt through the constructors."""
+    n = 2000
+    specs = [TensorSpec(name=f"layers.{i}.w", shape=(4,), dtype="float32") for i in range(n)]
+    manifest = Manifest.build(specs, buffer_bytes=1 << 20, num_buffers=2)
+    assert manifest.broadcast_chunks is manifest.chunks
+    blob = pickle.dumps(manifest)
+    assert len(blob) < 80 * n, f"{len(blob) / n:.0f} bytes per tensor"  # was 124 with two plans
+    arrived = pickle.loads(blob)
+    assert arrived == manifest and arrived.broadcast_chunks is arrived.chunks
+    arrived.validate()
+    with pytest.raises(ValueError, match="float99"):
+        pickle.loads(blob.replace(b"float32", b"float99", 1))
+    inplace = Manifest.build([*specs[:3], TensorSpec(name="big", shape=(1 << 20,), dtype="float32")], 1 << 20, 2)
+    assert inplace.broadcast_chunks != inplace.chunks and inplace.inplace_count == 1

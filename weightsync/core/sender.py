@@ -68,8 +68,11 @@ class WeightSender:
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
         self._checked_key: PlanKey | None = None  # their layout when last checked
 
+    def _pairs(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
+        pairs = self._pairs()
         if self.transform is not None:
             pairs = [(n, self.transform(n, t.detach())) for n, t in pairs]
         return [(n, t.detach()) for n, t in pairs]
@@ -80,7 +83,9 @@ class WeightSender:
         return dtype
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in self.named_tensors()]
+        # Shapes and dtypes only: detaching every tensor costs more than reading them.
+        pairs = self.named_tensors() if self.transform is not None else self._pairs()
+        return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in pairs]
 
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
         """Fix the wire contract for a new session from the model as it is now;

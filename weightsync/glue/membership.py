@@ -68,7 +68,7 @@ class Membership:
 
     def add(self, name: str | None, handle: Any) -> str:
         """Add a worker (``name`` None: a fresh ``worker-<hex>``); returns its name."""
-        name = check_name(name or f"worker-{uuid.uuid4().hex[:6]}")
+        name = check_name(f"worker-{uuid.uuid4().hex[:6]}" if name is None else name)
         if name in self.members:
             raise SettingsError(f"a worker named {name!r} is already registered")
         mine = identity(handle)

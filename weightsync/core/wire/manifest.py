@@ -33,7 +33,7 @@ def align_up(offset: int, alignment: int) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One tensor as it travels: its name, shape and wire dtype (by allow-listed name)."""
 
@@ -67,6 +67,11 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
 
+    def __reduce__(self) -> tuple[type[TensorSpec], tuple[str, tuple[int, ...], str]]:
+        # Rebuilt through the constructor, so what arrives is validated again (and pickled
+        # faster than a frozen, slotted dataclass's own state, which walks its fields).
+        return TensorSpec, (self.name, self.shape, self.dtype)
+
     def mismatch(self, tensor: torch.Tensor) -> str | None:
         """Why ``tensor`` cannot receive this spec's bytes without a cast or a broadcast, or None."""
         if tuple(tensor.shape) != self.shape:
@@ -76,7 +81,7 @@ class TensorSpec:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkPiece:
     """A contiguous byte range of one tensor placed at ``buffer_offset`` in a chunk.
 
@@ -90,8 +95,11 @@ class ChunkPiece:
     buffer_offset: int
     nbytes: int
 
+    def __reduce__(self) -> tuple[type[ChunkPiece], tuple[int, int, int, int]]:
+        return ChunkPiece, (self.spec_index, self.tensor_offset, self.buffer_offset, self.nbytes)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """The contents of one buffer fill: pieces in order and the bytes actually used.
 
@@ -104,9 +112,16 @@ class Chunk:
     nbytes: int
     inplace: bool = False
 
+    def __reduce__(self) -> tuple[type[Chunk], tuple[int, tuple[ChunkPiece, ...], int, bool]]:
+        return Chunk, (self.index, self.pieces, self.nbytes, self.inplace)
 
-def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
+
+def plan_chunks(
+    specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int, sizes: Sequence[int] | None = None
+) -> tuple[Chunk, ...]:
     """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
+
+    ``sizes``: the specs' ``nbytes``, when the caller has them already.
 
     Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
     is left of the current buffer, but fits in an empty one, starts a new chunk rather than
@@ -123,8 +138,7 @@ def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) 
         chunks.append(Chunk(index=len(chunks), pieces=tuple(pieces), nbytes=used))
         pieces, cursor = [], 0
 
-    for index, spec in enumerate(specs):
-        size = spec.nbytes
+    for index, size in enumerate(sizes if sizes is not None else [spec.nbytes for spec in specs]):
         if size == 0:
             pieces.append(ChunkPiece(index, 0, min(align_up(cursor, alignment), buffer_bytes), 0))
             continue
@@ -160,7 +174,9 @@ def plan_broadcast(
 
     def flush() -> None:
         for chunk in plan_chunks([specs[i] for i in run], buffer_bytes, alignment):
-            pieces = tuple(replace(p, spec_index=run[p.spec_index]) for p in chunk.pieces)
+            pieces = tuple(
+                ChunkPiece(run[p.spec_index], p.tensor_offset, p.buffer_offset, p.nbytes) for p in chunk.pieces
+            )
             plan.append(Chunk(index=len(plan), pieces=pieces, nbytes=chunk.nbytes))
         run.clear()
 
@@ -239,18 +255,23 @@ class Manifest:
         spec_tuple = tuple(specs)
         check_specs(spec_tuple)
         a = agreed
-        total = sum(s.nbytes for s in spec_tuple)
+        sizes = [s.nbytes for s in spec_tuple]
+        total = sum(sizes)
         # Every chunk holds at most buffer_bytes of aligned pieces: refuse before planning
         # a plan too long to hold (a tiny buffer_bytes for a large model).
-        least = -(-sum(align_up(s.nbytes, a.alignment) for s in spec_tuple) // a.buffer_bytes)
+        least = -(-sum(align_up(n, a.alignment) for n in sizes) // a.buffer_bytes)
         _check_chunk_count(least, total, a)
-        chunks = plan_chunks(spec_tuple, a.buffer_bytes, a.alignment)
+        chunks = plan_chunks(spec_tuple, a.buffer_bytes, a.alignment, sizes)
         _check_chunk_count(len(chunks), total, a)
+        inplace = a.inplace_bytes > 0 and max(sizes) >= a.inplace_bytes
         return cls(
             specs=spec_tuple,
             agreed=a,
             chunks=chunks,
-            broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes),
+            # Without in-place tensors both plans are one: shared, so it is held and sent once.
+            broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes)
+            if inplace
+            else chunks,
             total_bytes=total,
         )
 
