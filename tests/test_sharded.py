@@ -186,7 +186,8 @@ def test_bad_rank_layouts_are_refused_naming_the_rank_or_worker(two: dict[str, A
         differs = WeightSync(ranks, {"b0": workers["b0"]}, timeout_s=30)
         with pytest.raises(SetupError) as disagree:
             differs.setup()
-        assert disagree.value.culprits == ["trainer-rank-1"] and "extra" in str(disagree.value)
+        # Two ranks that differ: which one changed cannot be told, both are named.
+        assert disagree.value.culprits == ["trainer-rank-0", "trainer-rank-1"] and "extra" in str(disagree.value)
     finally:
         get(ranks[1].call.remote(fm.drop_buffer))
 

@@ -67,6 +67,10 @@ class WeightSender:
         self.extras: dict[str, Any] = {}
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
         self._checked_key: PlanKey | None = None  # their layout when last checked
+        #: Who set up this party's current session, and who last tore its transports down
+        #: (the coordinators' labels): what a push that finds no session is told.
+        self.owner = ""
+        self.closed_by = ""
 
     def _pairs(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -87,10 +91,12 @@ class WeightSender:
         pairs = self.named_tensors() if self.transform is not None else self._pairs()
         return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in pairs]
 
-    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
         """Fix the wire contract for a new session from the model as it is now;
-        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory)."""
+        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory);
+        ``owner`` labels the coordinator setting it up."""
         self.close_transports()
+        self.owner, self.closed_by = owner, ""
         self._paths = None
         self._checked_key = None
         specs = self.specs()
@@ -271,11 +277,20 @@ class WeightSender:
         if half is not None:
             half.close(abort)
 
-    def close_transports(self, abort: bool = False) -> None:
-        for kind in list(self.halves):
-            self._close(kind, abort)
+    def close_transports(self, abort: bool = False, by: str = "") -> None:
+        """Close every half and extra; ``by`` (a coordinator's label and why) is recorded.
+
+        With ``abort`` the peers are told first; the extras (a pusher) close before the
+        halves, so a push still in flight ends before the memory it reads is released."""
+        if by:
+            self.closed_by = by
+        if abort:
+            for half in self.halves.values():
+                half.abort()
         extras, self.extras = self.extras, {}
         for extra in extras.values():
             close = getattr(extra, "close", None)
             if callable(close):
                 close()
+        for kind in list(self.halves):
+            self._close(kind, abort)

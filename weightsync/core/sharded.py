@@ -311,8 +311,8 @@ class ShardedSender(WeightSender):
     def peers(self) -> tuple[str, ...]:
         return tuple(r for r in self.ranks if r != self.name)
 
-    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
-        manifest = super().manifest(settings, hints)
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
+        manifest = super().manifest(settings, hints, owner)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
         self._buckets = plan_buckets(sizes, manifest.agreed.buffer_bytes)
         return manifest

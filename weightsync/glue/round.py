@@ -88,7 +88,7 @@ class Round:
         lead = self.ranks.lead
         trainer = self.ranks.handles[0]
         for attempt in range(2):
-            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call)})[(lead, "push")]
+            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call, self.steps.owner)})[(lead, "push")]
             verdict = judge({lead: o}, f"sync failed {when}")
             if verdict is not None:
                 self.fail(verdict)
@@ -117,7 +117,7 @@ class Round:
                 held[name] = o.value
             else:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
-        self.steps.teardown(abort=True, skip=verdict.silent)
+        self.steps.teardown(abort=True, skip=verdict.silent, why="a failed sync")
         raise verdict.sync_error(held, dropped)
 
 
