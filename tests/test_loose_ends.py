@@ -124,3 +124,50 @@ def test_workers_found_dead_are_dropped_and_the_next_sync_goes_on(actors: Any) -
         other.close()
         ws.sync(version=8)
         assert_workers_match(trainer, workers[:1])
+
+
+def test_an_abort_of_a_failed_sync_does_not_fail_the_next_one_in_the_session() -> None:
+    """A direct session goes on after a refused sync (its counters follow the sync's seq):
+    the abort word that sync left is stale for the next one, which moves every byte."""
+    trainer, worker = MixedModel(seed=0), MixedModel(seed=1)
+    sender = WeightSender(model=trainer)
+    manifest = sender.manifest(SyncSettings(timeout_s=20.0))
+    receiver = WeightReceiver(worker, name="w")
+    receiver.accept(manifest, timeout_s=20.0)
+    open_local(registry.get("direct"), sender, {"w": receiver})
+
+    def both(call: SyncCall) -> tuple[Any, Any]:
+        got: list[Any] = []
+
+        def receive() -> None:
+            try:
+                got.append(receiver.receive(call))
+            except Exception as exc:  # the test looks at it
+                got.append(exc)
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        try:
+            sent: Any = sender.send(call)
+        except Exception as exc:  # the test looks at it
+            sent = exc
+        thread.join(60)
+        assert not thread.is_alive()
+        return sent, got[0]
+
+    try:
+        assert not isinstance(both(SyncCall(seq=0, version=5))[1], Exception)
+        sent, got = both(SyncCall(seq=1, version=3))  # older than what it holds: refused, aborted
+        assert type(got).__name__ == "VersionError" and type(sent).__name__ == "PeerAborted"
+        sent, got = both(SyncCall(seq=2, version=6))
+        assert not isinstance(sent, Exception) and not isinstance(got, Exception), (sent, got)
+        assert receiver.status() == (6, "committed")
+        from tests.helpers import assert_bit_equal
+        from weightsync.core.sinks import module_tensors
+
+        want = dict(module_tensors(trainer))
+        for name, tensor in module_tensors(worker):
+            assert_bit_equal(tensor, want[name], name)
+    finally:
+        receiver.close_transports()
+        sender.close_transports()

@@ -125,6 +125,7 @@ class WeightReceiver:
         stale: tuple[str, ...] = ()
         held: list[int] | None = None
         try:
+            half.start(call)
             self._check_version(call)
             if call.verify and not getattr(self.sink, "records_checksums", True):
                 raise WeightSyncError(

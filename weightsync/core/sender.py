@@ -200,6 +200,7 @@ class WeightSender:
         failure: BaseException | None = None
         sources: Sources | None = None
         try:
+            self.start_halves(call)
             sources = self.checked_sources()
             checksums, stale = self.drive(sources, call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
@@ -247,6 +248,13 @@ class WeightSender:
         """The passes over the tensors this sync makes: one for the checksums with ``verify``,
         then its halves' (see weightsync.core.sharded)."""
         return int(call.verify) + sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+
+    def start_halves(self, call: SyncCall) -> None:
+        """Tell this sync's halves it starts (before any check that may fail it)."""
+        for kind in call.kinds:
+            half = self.halves.get(kind)
+            if half is not None:
+                half.start(call)
 
     def abort_halves(self, call: SyncCall) -> None:
         """Tell every peer of this sync's transports that this side failed."""

@@ -364,6 +364,7 @@ class ShardedSender(WeightSender):
         gathered: GatheredTensors | None = None
         streamed: Sources | None = None
         try:
+            self.start_halves(call)
             try:
                 sources = self.checked_sources()
             except ModelChangedError:

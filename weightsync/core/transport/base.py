@@ -92,6 +92,11 @@ class SendHalf(abc.ABC):
     def peers(self) -> tuple[str, ...]:
         """Every worker this half can reach in this session (what a call without targets drives)."""
 
+    def start(self, call: SyncCall) -> None:
+        """Called first in every sync this half takes part in, before any check that may
+        fail it: a half with per-sync state resets it (the control blocks' abort epoch)."""
+        return None
+
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """How many passes in manifest order over ``sources.tensors`` :meth:`send` makes for
         ``targets`` (a sharded source gathers that many times, see weightsync.core.sharded)."""
@@ -118,6 +123,10 @@ class ReceiveHalf(abc.ABC):
     def mappings(self) -> tuple[int, int]:
         """(mappings made, mappings released) of other processes' exports by this half."""
         return 0, 0
+
+    def start(self, call: SyncCall) -> None:
+        """Called first in every sync, before any check that may fail it (see SendHalf.start)."""
+        return None
 
     @abc.abstractmethod
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:

@@ -166,6 +166,10 @@ class DirectTarget(ReceiveHalf):
                 )
         return mine, ()
 
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
+
     def _ctl(self) -> ControlBlock:
         if self._control is None:
             raise WeightSyncError(f"{self.name}: no direct export; run setup()")
@@ -263,6 +267,10 @@ class DirectWriter(SendHalf):
                 )
         stale = tuple(w for w in call.to(self.kind) if not self.write(w, sources, call.seq, deadline, checksums))
         return checksums, stale
+
+    def start(self, call: SyncCall) -> None:
+        for mapped in self._mapped.values():
+            mapped.control.epoch = call.seq + 1
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """One pass per worker written (the checksums with ``verify`` come from the sender's

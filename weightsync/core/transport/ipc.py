@@ -244,6 +244,10 @@ class IpcSender(SendHalf):
         )
         control[_WAITING] = 0
 
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
+
     def abort(self) -> None:
         if self._control is not None:
             self._control.abort(TRAINER)
@@ -426,6 +430,10 @@ class IpcReceiver(ReceiveHalf):
         unpacker.finish()
         self._synchronize("copying the last chunks out")
         return checksums, ()
+
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
 
     def abort(self) -> None:
         if self._control is not None:
