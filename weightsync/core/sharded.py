@@ -383,12 +383,8 @@ class ShardedSender(WeightSender):
         if failure is not None:
             self.abort_halves(call)
             raise failure
-        return SendResult(
-            checksums=checksums,
-            stale=stale,
-            seconds=time.perf_counter() - start,
-            tensor_checksums=(streamed.checksums if streamed is not None else None) or [],
-        )
+        sums = streamed.checksums if streamed is not None and streamed.checksums else []
+        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start, tensor_checksums=sums)
 
     def checksums(self) -> list[int]:
         """Per tensor, the checksum of the full tensor as it travels (every rank calls it)."""

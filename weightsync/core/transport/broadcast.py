@@ -43,8 +43,8 @@ from weightsync.core.packing import ChunkUnpacker, as_bytes, byte_checksum, cont
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire.errors import PeerAborted, WeightSyncError
-from weightsync.core.wire.manifest import Chunk
 from weightsync.core.wire.messages import SyncCall
+from weightsync.core.wire.plan import Chunk
 from weightsync.core.wire.session import Session
 
 log = logging.getLogger("weightsync")
