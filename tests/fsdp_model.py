@@ -197,3 +197,20 @@ def drop_buffer(model: nn.Module) -> None:
 
 def cast(model: nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
+
+
+def skew_scale(model: nn.Module) -> bool:
+    """Make this rank's replica of the plain ``scale`` buffer differ (kept for
+    :func:`unskew_scale`); True when it is a plain tensor (every rank holds it whole)."""
+    from torch.distributed.tensor import DTensor
+
+    scale = model.scale
+    model._skew_saved = scale.detach().clone()  # type: ignore[assignment]
+    with torch.no_grad():
+        scale.add_(0.25)
+    return not isinstance(scale, DTensor)
+
+
+def unskew_scale(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.scale.copy_(model._skew_saved)  # type: ignore[operator]

@@ -65,7 +65,7 @@ def test_a_worker_whose_tensor_moved_is_reexported_and_the_old_storage_never_wri
         ws.sync(1)
         old = get(moving.move_storage.remote("linear.weight", new_object, 77))
         get(trainer.call.remote(perturb, 2))
-        report = ws.sync(2)
+        report = ws.sync(2, verify=new_object)  # a verified sync re-exports the same way
         assert [w.version for w in report.workers] == [2, 2]
         assert get(moving.direct_exports.remote()) == 2
         assert get(steady.direct_exports.remote()) == 1

@@ -21,6 +21,7 @@ from tests.helpers import assert_bit_equal, random_tensor
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
+from weightsync.core.packing import tensor_checksums
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
 from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
@@ -124,7 +125,7 @@ def run_group(
         for r, res in zip(receivers, results):
             if not isinstance(res[i], Exception):
                 try:  # broadcast commits in a second step, given both sides' outcomes
-                    r.commit(call, ok(r.name, "receive", res[i]), ok("trainer", "send", s))
+                    r.commit(call, ok(r.name, "receive", res[i]), None, ok("trainer", "send", s))
                 except Exception as exc:
                     res[i] = exc
     return results
@@ -178,6 +179,12 @@ class OddLanding(ModuleSink):
         dests = super().destinations(manifest)
         dests[manifest.names.index("q")] = self.q64  # received fp32 bytes must never land raw here
         return dests
+
+    def checksums(self, manifest: Manifest) -> list[int]:
+        """What it holds: ``q`` lives in ``q64`` (verify reads the destinations back)."""
+        sums = super().checksums(manifest)
+        sums[manifest.names.index("q")] = tensor_checksums([self.q64.float()])[0]
+        return sums
 
 
 def test_strided_and_other_dtype_destinations_fall_back_bit_exact() -> None:
@@ -406,7 +413,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
             receiver.install(BroadcastReceiver(feeding, receiver.session, ["trainer", "w"]))
             got = receiver.receive(call)
             assert got.checksums == sent.checksums["broadcast"]
-            receiver.commit(call, ok("w", "receive", got), ok("trainer", "send", sent))
+            receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
             assert receiver.version == 1
             held = dict(worker.named_buffers()) if worker_sink == "module" else loader.got
             for name, t in want.items():

@@ -23,7 +23,7 @@ from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
 from weightsync import TrainerActor, WeightSync, WorkerActor
-from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
+from weightsync.core.wire.errors import SettingsError, SetupError, SyncError, VerificationError
 from weightsync.core.wire.messages import SourceLayout
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.glue.actors import TrainerHost, trainer_ranks
@@ -186,7 +186,8 @@ def test_bad_rank_layouts_are_refused_naming_the_rank_or_worker(two: dict[str, A
         differs = WeightSync(ranks, {"b0": workers["b0"]}, timeout_s=30)
         with pytest.raises(SetupError) as disagree:
             differs.setup()
-        assert disagree.value.culprits == ["trainer-rank-1"] and "extra" in str(disagree.value)
+        # Two ranks that differ: which one changed cannot be told, both are named.
+        assert disagree.value.culprits == ["trainer-rank-0", "trainer-rank-1"] and "extra" in str(disagree.value)
     finally:
         get(ranks[1].call.remote(fm.drop_buffer))
 
@@ -226,6 +227,37 @@ def test_mixed_layouts_blame_the_odd_ranks() -> None:
         SourceLayout(sharded=False, mesh_size=2)
 
 
+def test_verify_names_a_replicated_tensor_that_differs_between_ranks(two: dict[str, Any]) -> None:
+    """Rank 1's replica of the plain ``scale`` buffer differs from rank 0's: the workers rank
+    1 serves would commit other bytes than rank 0's under one version. A verified sync
+    compares every worker with rank 0's checksums and names the tensor, the rank and the
+    workers; ``ws.verify()`` names the rank."""
+    ranks, workers = two["ranks"], two["workers"]
+    served = {"b0": workers["b0"], "i1": workers["i1"]}
+    with WeightSync(
+        ranks, served, transport={"b0": "broadcast", "i1": "ipc"}, worker_ranks={"i1": 1}, timeout_s=30
+    ) as ws:
+        ws.sync(12, verify=True)
+        assert get(ranks[1].call.remote(fm.skew_scale)), "scale must be a plain (replicated) tensor"
+        try:
+            with pytest.raises(SyncError) as failure:
+                ws.sync(13, verify=True)
+            err = failure.value
+            assert err.culprits == ["trainer-rank-1"], str(err)
+            assert not err.outcomes["i1"].ok and "scale" in err.outcomes["i1"].message
+            assert "trainer-rank-0" in err.outcomes["i1"].message
+            assert err.held == {"b0": (13, "committed"), "i1": (12, "dirty")}
+            with pytest.raises(VerificationError) as checked:
+                ws.verify()
+            assert checked.value.mismatches["trainer-rank-1"] == "scale"
+            assert checked.value.mismatches["i1"] == "scale"
+        finally:
+            get(ranks[1].call.remote(fm.unskew_scale))
+        ws.sync(14, verify=True)
+        assert_synced(ranks, served)
+        ws.verify()
+
+
 def test_three_ranks_mixed_dtensor_and_plain_model_with_a_bf16_wire(three: dict[str, Any]) -> None:
     ranks, workers = three["ranks"], three["workers"]
     assert set(get(ranks[0].call.remote(fm.kinds)).values()) == {"dtensor", "plain"}
@@ -238,7 +270,7 @@ def test_three_ranks_mixed_dtensor_and_plain_model_with_a_bf16_wire(three: dict[
         timeout_s=30,
     ) as ws:
         assert ws.manifest.specs[0].dtype == "bfloat16"  # type: ignore[union-attr]
-        for version in (30, 31):  # the workers hold version 11 from the tests above
+        for version in (30, 31):  # the workers hold version 14 from the tests above
             train(ranks, 2, seed=version)
             ws.sync(version)
             assert_synced(ranks, workers, wire=torch.bfloat16)

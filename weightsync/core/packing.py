@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from weightsync.core.wire.errors import ManifestError
-from weightsync.core.wire.manifest import Chunk, TensorSpec
+from weightsync.core.wire.manifest import TensorSpec
+from weightsync.core.wire.plan import Chunk
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ after a failed push this pusher answers ``setup_needed`` until ``WeightSync.setu
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from weightsync.core.transport.doorbell import ring
 from weightsync.core.transport.mailbox import ANSWERED, Mailbox
 from weightsync.core.transport.regions import RegionImporter
 from weightsync.core.transport.shm import pid_alive
-from weightsync.core.wire.errors import TransferTimeout, WeightSyncError
+from weightsync.core.wire.errors import SessionTornDown, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, PushExport, PushResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome, Status, failed, ok
 from weightsync.core.wire.session import Session
@@ -53,6 +54,10 @@ class Pusher:
         self._boxes: dict[str, _Box] = {}
         self.seq = 0
         self.broken = False
+        # A push holds the lock; a teardown from another thread sets ``closing`` (the push
+        # stops waiting for answers) and releases the mailboxes only once the push ended.
+        self._lock = threading.RLock()
+        self.closing = False
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -68,6 +73,16 @@ class Pusher:
     def push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
         """Run one sync of the listening workers ``call.to(kind)`` (all of them when none are
         named; its seq is this pusher's); failures come back as data."""
+        with self._lock:
+            if self.closing:
+                raise SessionTornDown(
+                    f"{self.name}: push of version {call.version} to {list(call.to(self.kind) or self.workers)}: "
+                    "the push session was torn down (close(), a new setup, a failed sync or remove_worker()) "
+                    "before this push started; run WeightSync.setup() from the driver"
+                )
+            return self._push(send, call)
+
+    def _push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
         start = time.perf_counter()
         deadline = self.deadlines.follower(time.monotonic())
         if self.broken:
@@ -121,7 +136,7 @@ class Pusher:
         control = mailbox.control
         try:
             control.wait(
-                lambda: control[ANSWERED] == seq + 1 or mailbox.stopped,
+                lambda: control[ANSWERED] == seq + 1 or mailbox.stopped or self.closing,
                 deadline,
                 self.name,
                 lambda: f"{worker}'s answer to push {seq}",
@@ -129,6 +144,11 @@ class Pusher:
                 peer_pid=lambda: box.export.pid,
                 late=lambda: [worker],
             )
+            if control[ANSWERED] != seq + 1 and self.closing:
+                raise SessionTornDown(
+                    f"{worker}: the push session was torn down by a teardown running meanwhile, before "
+                    f"{worker} answered push {seq}; its state is unknown until the next setup"
+                )
             if control[ANSWERED] != seq + 1:
                 raise WeightSyncError(f"{worker}: its listener ended before answering push {seq}")
             return mailbox.answer()
@@ -140,13 +160,18 @@ class Pusher:
             return PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
 
     def forget(self, worker: str) -> None:
-        box = self._boxes.pop(worker, None)
-        if box is not None:
-            box.importer.release_all()
+        with self._lock:
+            box = self._boxes.pop(worker, None)
+            if box is not None:
+                box.importer.release_all()
 
     def close(self) -> None:
-        for worker in list(self._boxes):
-            self.forget(worker)
+        """Release the mailboxes; a push in flight on another thread stops waiting for answers
+        and ends first (its workers answered as torn down), never reading released memory."""
+        self.closing = True
+        with self._lock:
+            for worker in list(self._boxes):
+                self.forget(worker)
 
 
 def _lost(worker: str, status: Status) -> Outcome:

@@ -9,8 +9,10 @@ Ray and names no transport: the plug-ins' setup actions install its half (it is 
                                                    byte; the receiver's Session starts here
     the plug-in's worker actions                   -> receiver.install(half)
     per sync: receiver.receive(call)               -> ReceiveResult (commits at once when the
-                                                      half knows the sender finished)
-              receiver.commit(call, got, *sent)    otherwise: once every serving side is known
+                                                      half knows the sender finished, unless
+                                                      verifying)
+              receiver.commit(call, got, ref, *sent)  otherwise: once every serving side (and,
+                                                      with verify, the reference's) is known
     after a failed sync: receiver.settle()         -> (version, state)
 """
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from weightsync.core.checking import check_destination
 from weightsync.core.listener import Listener
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.transport.base import ReceiveHalf, shed_traceback
@@ -119,9 +123,18 @@ class WeightReceiver:
         failure: BaseException | None = None
         checksums: list[int] = []
         stale: tuple[str, ...] = ()
+        held: list[int] | None = None
         try:
+            half.start(call)
             self._check_version(call)
+            if call.verify and not getattr(self.sink, "records_checksums", True):
+                raise WeightSyncError(
+                    f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
+                    "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
+                )
             checksums, stale = half.receive(self.sink, call, self._begin)
+            if call.verify and not stale:
+                held = self.sink.checksums(self._manifest())
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
@@ -129,7 +142,7 @@ class WeightReceiver:
             if self.state is WorkerState.RECEIVING:
                 self.state = WorkerState.DIRTY
             raise failure
-        if not stale and half.knows_sender_finished:
+        if not stale and half.knows_sender_finished and not call.verify:
             self._commit(call.version)
         return ReceiveResult(
             worker=self.name,
@@ -139,13 +152,28 @@ class WeightReceiver:
             seconds=time.perf_counter() - start,
             stale=stale,
             transport=half.kind,
+            held=held,
         )
 
-    def commit(self, call: SyncCall, received: Outcome, *sent: Outcome) -> ReceiveResult:
+    def _receive_pushed(self, call: SyncCall) -> ReceiveResult:
+        """Push mode's receive: no commit call follows, so with ``verify`` the worker commits
+        here, on its half's own check of its destination against its one trainer (direct
+        compares every tensor this worker holds with the trainer's checksum of it)."""
+        got = self.receive(call)
+        half = self.active_half
+        if call.verify and not got.stale and half is not None and half.knows_sender_finished:
+            self._commit(call.version)
+            got = replace(got, version=self.version, state=self.state.value)
+        return got
+
+    def commit(self, call: SyncCall, received: Outcome, reference: Outcome | None, *sent: Outcome) -> ReceiveResult:
         """Take ``call.version`` once this worker's receive (``received``) and the send of
         every trainer party serving it (``sent``, in rank order: one, or every rank with
         owner sends) are known; only when all succeeded and, with ``verify``, every chunk's
-        checksum matches the senders' (theirs concatenated in rank order)."""
+        checksum matches the senders' (theirs concatenated in rank order) and every tensor
+        this worker's sink holds matches ``reference``'s checksum of it (the trainer's, or
+        rank 0's for every worker of a sharded trainer: a replica that differs on a rank
+        serving this worker is named)."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
         if not sent:
@@ -157,7 +185,15 @@ class WeightReceiver:
                 f"{self.name}: {', '.join(failed_senders)} failed; version {call.version} not taken",
                 blames=failed_senders,
             )
+        if reference is not None and not reference.ok:
+            self._fail()
+            raise PeerAborted(
+                f"{self.name}: {reference.party}'s side failed; version {call.version} not taken",
+                blames=[reference.party],
+            )
         got: ReceiveResult = received.value
+        if got.stale:
+            return got  # nothing was written: the coordinator exports it again
         if call.verify:
             expected = [c for o in sent for c in o.value.checksums.get(got.transport, [])]
             bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
@@ -167,10 +203,19 @@ class WeightReceiver:
                     ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
                 )
                 raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
+            self._check_held(got.held, _diverging(sent, reference), reference or sent[0])
         self._commit(call.version)
         return ReceiveResult(
             worker=self.name, version=self.version, state=self.state.value, checksums=[], seconds=got.seconds
         )
+
+    def _check_held(self, held: list[int] | None, sent: Outcome, reference: Outcome) -> None:
+        """Refuse the commit (dirty) unless every tensor the sink holds matches ``reference``."""
+        try:
+            check_destination(self.name, self._manifest().names, held, sent, reference)
+        except ChecksumMismatch:
+            self._fail()
+            raise
 
     def settle(self) -> tuple[int | None, str]:
         """After a failed sync: a worker still receiving is dirty (its bytes may be a mix)."""
@@ -226,7 +271,7 @@ class WeightReceiver:
         if self.active_half is None:
             raise WeightSyncError(f"{self.name}: push mode needs an open transport to listen on; run setup()")
         self._stop_listener()
-        self.listener = Listener(self.name, self.device, self.receive, self.status, self.gate)
+        self.listener = Listener(self.name, self.device, self._receive_pushed, self.status, self.gate)
         return self.listener.export()
 
     def seal_listen(self) -> None:
@@ -268,3 +313,14 @@ class WeightReceiver:
         made, released = half.mappings()
         self._closed_imports[0] += made
         self._closed_imports[1] += released
+
+
+def _diverging(sent: tuple[Outcome, ...], reference: Outcome | None) -> Outcome:
+    """Of the senders serving a worker, the one to blame for bytes that differ from
+    ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
+    another replica), else the first."""
+    if reference is not None:
+        for o in sent:
+            if o.value.tensor_checksums != reference.value.tensor_checksums:
+                return o
+    return sent[0]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from weightsync.core import registry
-from weightsync.core.packing import tensor_checksums
+from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.sinks import TensorPaths, module_tensors
 from weightsync.core.transport.base import SendHalf, Sources, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
@@ -67,9 +67,16 @@ class WeightSender:
         self.extras: dict[str, Any] = {}
         self._paths: TensorPaths | None = None  # how the last fully checked tensors were reached
         self._checked_key: PlanKey | None = None  # their layout when last checked
+        #: Who set up this party's current session, and who last tore its transports down
+        #: (the coordinators' labels): what a push that finds no session is told.
+        self.owner = ""
+        self.closed_by = ""
+
+    def _pairs(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        pairs = list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
+        pairs = self._pairs()
         if self.transform is not None:
             pairs = [(n, self.transform(n, t.detach())) for n, t in pairs]
         return [(n, t.detach()) for n, t in pairs]
@@ -80,12 +87,16 @@ class WeightSender:
         return dtype
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in self.named_tensors()]
+        # Shapes and dtypes only: detaching every tensor costs more than reading them.
+        pairs = self.named_tensors() if self.transform is not None else self._pairs()
+        return [TensorSpec.of(n, t, self._wire(t.dtype)) for n, t in pairs]
 
-    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
         """Fix the wire contract for a new session from the model as it is now;
-        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory)."""
+        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory);
+        ``owner`` labels the coordinator setting it up."""
         self.close_transports()
+        self.owner, self.closed_by = owner, ""
         self._paths = None
         self._checked_key = None
         specs = self.specs()
@@ -187,20 +198,38 @@ class WeightSender:
         deadline = self.session.deadlines.leader(time.monotonic())
         call = self.resolve(call)
         failure: BaseException | None = None
+        sources: Sources | None = None
         try:
-            checksums, stale = self.drive(self.checked_sources(), call, deadline)
+            self.start_halves(call)
+            sources = self.checked_sources()
+            checksums, stale = self.drive(sources, call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
             self.abort_halves(call)
             raise failure
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
+        assert sources is not None
+        return SendResult(
+            checksums=checksums,
+            stale=stale,
+            seconds=time.perf_counter() - start,
+            tensor_checksums=sources.checksums or [],
+        )
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
         """Run this sync's halves over ``sources`` in the order of ``call.targets``;
-        (checksums per transport, stale workers)."""
+        (checksums per transport, stale workers). With ``verify``, first one walk for the
+        checksum of every tensor as it travels (``sources.checksums``), what each worker's
+        destination is compared with before it commits."""
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
+        if call.verify:
+            specs = self.current_manifest.specs
+            with torch.no_grad():
+                # One cast at a time: streamed sources must not all be alive at once.
+                sources.checksums = read_checksums(
+                    [word_sum(t.to(spec.torch_dtype)) for t, spec in zip(sources.tensors, specs)]
+                )
         for kind in call.kinds:
             checksums[kind], found = self.open_half(kind).send(sources, call, deadline)
             stale += found
@@ -216,8 +245,16 @@ class WeightSender:
         return replace(call, targets={kind: self.halves[kind].peers for kind in kinds})
 
     def walks(self, call: SyncCall) -> int:
-        """The passes over the tensors this sync's halves make (see weightsync.core.sharded)."""
-        return sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+        """The passes over the tensors this sync makes: one for the checksums with ``verify``,
+        then its halves' (see weightsync.core.sharded)."""
+        return int(call.verify) + sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+
+    def start_halves(self, call: SyncCall) -> None:
+        """Tell this sync's halves it starts (before any check that may fail it)."""
+        for kind in call.kinds:
+            half = self.halves.get(kind)
+            if half is not None:
+                half.start(call)
 
     def abort_halves(self, call: SyncCall) -> None:
         """Tell every peer of this sync's transports that this side failed."""
@@ -248,11 +285,20 @@ class WeightSender:
         if half is not None:
             half.close(abort)
 
-    def close_transports(self, abort: bool = False) -> None:
-        for kind in list(self.halves):
-            self._close(kind, abort)
+    def close_transports(self, abort: bool = False, by: str = "") -> None:
+        """Close every half and extra; ``by`` (a coordinator's label and why) is recorded.
+
+        With ``abort`` the peers are told first; the extras (a pusher) close before the
+        halves, so a push still in flight ends before the memory it reads is released."""
+        if by:
+            self.closed_by = by
+        if abort:
+            for half in self.halves.values():
+                half.abort()
         extras, self.extras = self.extras, {}
         for extra in extras.values():
             close = getattr(extra, "close", None)
             if callable(close):
                 close()
+        for kind in list(self.halves):
+            self._close(kind, abort)

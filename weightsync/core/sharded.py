@@ -22,8 +22,10 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
 
 A walk a half needs is one pass in manifest order; each half says how many it makes
 (``SendHalf.walks``): broadcast, ipc and direct one each (direct writes every worker of
-the rank, and sums its checksums, from the same pass), owner sends none (each rank sends
-from its own shards).
+the rank from the same pass), owner sends none (each rank sends from its own shards); with
+``verify`` the sender first makes one more, for the checksum of every tensor (what each
+worker's destination is compared with, against rank 0's: a replicated tensor that differs
+between ranks is caught there, naming it), which the halves reuse.
 
 Waits: the agreement and the common gathers (``Shard(0)`` on a 1-D mesh, as FSDP2 lays
 out, and ``Replicate``) are issued as async collectives and waited with the sync's
@@ -133,8 +135,8 @@ class ShardedSender(WeightSender):
             return "other"
         return "owned"
 
-    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None) -> Manifest:
-        manifest = super().manifest(settings, hints)
+    def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
+        manifest = super().manifest(settings, hints, owner)
         sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
         budget = settings.gather_bytes if settings.gather_bytes is not None else manifest.agreed.buffer_bytes
         self._buckets = plan_buckets(sizes, budget)
@@ -185,14 +187,17 @@ class ShardedSender(WeightSender):
         stale: tuple[str, ...] = ()
         failure: BaseException | None = None
         gathered: GatheredTensors | None = None
+        streamed: Sources | None = None
         try:
+            self.start_halves(call)
             try:
                 sources = self.checked_sources()
             except ModelChangedError:
                 self._agree(0, True, Wait(self.session.deadlines.follower(began), self.name, self.peers))
                 raise
             gathered = self._walk(sources, self.walks(call), began)
-            checksums, stale = self.drive(Sources(gathered, None, streamed=True, local=sources.tensors), call, deadline)
+            streamed = Sources(gathered, None, streamed=True, local=sources.tensors)
+            checksums, stale = self.drive(streamed, call, deadline)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if gathered is not None:
@@ -203,7 +208,8 @@ class ShardedSender(WeightSender):
         if failure is not None:
             self.abort_halves(call)
             raise failure
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start)
+        sums = streamed.checksums if streamed is not None and streamed.checksums else []
+        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start, tensor_checksums=sums)
 
     def checksums(self) -> list[int]:
         """Per tensor, the checksum of the full tensor as it travels (every rank calls it)."""

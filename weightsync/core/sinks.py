@@ -18,7 +18,7 @@ from torch import nn
 
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.transport.base import Landing
-from weightsync.core.wire.errors import ModelChangedError
+from weightsync.core.wire.errors import ManifestError, ModelChangedError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
 
@@ -102,8 +102,10 @@ class Sink(Landing, Protocol):
         """What this worker holds, for the handshake; None accepts any manifest."""
 
     def checksums(self, manifest: Manifest) -> list[int] | None:
-        """Per spec, the checksum of what this worker holds (or last received), or None when
-        it cannot tell (nothing received yet)."""
+        """Per spec, the checksum of what this worker holds after loading, or None when it
+        cannot tell (nothing received yet). What ``verify`` compares with the trainer's: a
+        sink that writes tensors in place reads them back; one that transforms them on load
+        gives the checksums of the bytes it was handed (and says so in its docs)."""
 
 
 def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
@@ -116,9 +118,13 @@ def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
 
 
 class ModuleSink:
-    """Copies received tensors into ``module``'s parameters and buffers by name."""
+    """Copies received tensors into ``module``'s parameters and buffers by name.
+
+    ``verify`` checks the parameters and buffers themselves, read back after the sync.
+    """
 
     keeps_references = False
+    records_checksums = True
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -130,7 +136,18 @@ class ModuleSink:
         return dict(module_tensors(self.module))
 
     def local_specs(self) -> list[TensorSpec]:
-        return [TensorSpec.of(name, tensor) for name, tensor in module_tensors(self.module)]
+        """What the module holds; refuses, naming them, tensors on the meta device (they have
+        no storage: a sync would write nowhere and a verify would read nothing)."""
+        held = module_tensors(self.module)
+        meta = [name for name, tensor in held if tensor.is_meta]
+        if meta:
+            shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+            raise ManifestError(
+                f"{len(meta)} tensor(s) of the worker's model are on the meta device ({shown}): they hold no "
+                "bytes and cannot receive any; materialize the model first (model.to_empty(device=...), or "
+                "build it on a real device) and set up again"
+            )
+        return [TensorSpec.of(name, tensor) for name, tensor in held]
 
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
         self._by_name = self.held()
@@ -178,9 +195,11 @@ class LoadWeightsSink:
     given, is checked against the trainer's manifest in the handshake.
 
     It records a checksum of every tensor it is handed (computed where the tensor lives,
-    read back only when asked), so ``WeightSync.verify`` can compare the bytes this worker
-    received at its last sync with the trainer's; ``record_checksums=False`` skips that
-    read of every byte.
+    read back only when asked), so ``sync(verify=True)`` and ``WeightSync.verify`` can
+    compare the bytes this worker received with the trainer's. What they check is the bytes
+    handed to ``load_weights``, not the engine's parameters after it renamed, fused or
+    sharded them (weightsync cannot see those). ``record_checksums=False`` skips that read
+    of every byte, and a sync with ``verify`` is then refused.
     """
 
     def __init__(
@@ -195,6 +214,10 @@ class LoadWeightsSink:
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
         self._received: dict[str, torch.Tensor] = {}
+
+    @property
+    def records_checksums(self) -> bool:
+        return self._record
 
     def local_specs(self) -> list[TensorSpec] | None:
         return self._expected

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -108,7 +109,10 @@ class WeightSync:
         self.ranks = ranks
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
-        self._steps = Steps(self._members, lambda: self.deadlines)
+        #: How the trainer's parties name this coordinator (a push that finds its session
+        #: torn down says by which one).
+        self.label = f"WeightSync {uuid.uuid4().hex[:8]}"
+        self._steps = Steps(self._members, lambda: self.deadlines, self.label)
         self._steps.on_teardown = self._unready
         self._setup = Setup(
             self._members,
@@ -146,7 +150,7 @@ class WeightSync:
         with self._lock:
             if name not in self._members.members:
                 raise KeyError(f"no worker named {name!r}; known: {sorted(self._members.members)}")
-            self._steps.teardown(abort=False)
+            self._steps.teardown(abort=False, why=f"remove_worker({name!r})")
             self._members.remove(name)
 
     @property
@@ -264,7 +268,7 @@ class WeightSync:
     def close(self) -> None:
         """Tear down groups and exports on every live party; the actors stay up."""
         with self._lock:
-            self._steps.teardown()
+            self._steps.teardown(why="close()")
 
     def __enter__(self) -> WeightSync:
         self.setup()

@@ -175,12 +175,31 @@ class TrainerRanks:
         self, manifests: Mapping[str, Manifest], layouts: Mapping[str, SourceLayout] | None = None
     ) -> dict[str, Outcome]:
         """A failed outcome per rank whose model is sharded unlike the others' (``layouts``,
-        see :meth:`mixed_layouts`) or whose manifest differs from rank 0's, naming what differs."""
+        see :meth:`mixed_layouts`) or whose manifest differs from the one most ranks hold,
+        naming what differs. Rank 0 is blamed when it is the one that changed; when no
+        manifest is held by more ranks than every other (two ranks that differ), every rank
+        is named, each against another."""
         out = self.mixed_layouts(layouts) if layouts is not None else {}
-        base = manifests[self.lead]
-        for name in self.names[1:]:
-            other = manifests[name]
-            if other == base or name in out:
+        groups: list[list[str]] = []
+        for name in self.names:
+            for group in groups:
+                if manifests[group[0]] == manifests[name]:
+                    group.append(name)
+                    break
+            else:
+                groups.append([name])
+        if len(groups) == 1:
+            return out
+        sizes = sorted((len(g) for g in groups), reverse=True)
+        majority = max(groups, key=len) if sizes[0] > sizes[1] else None
+        for name in self.names:
+            if majority is not None and name in majority:
+                continue
+            ref = (
+                majority[0] if majority is not None else next(n for n in self.names if manifests[n] != manifests[name])
+            )
+            other, base = manifests[name], manifests[ref]
+            if name in out:
                 continue
             mine, theirs = {x.name: x for x in other.specs}, {x.name: x for x in base.specs}
             diff = [f"{n} only on {name}" for n in mine if n not in theirs]
@@ -191,7 +210,12 @@ class TrainerRanks:
                 if n in theirs and mine[n] != theirs[n]
             ]
             what = diff[0] if diff else "buffer settings"
-            why = f"its model differs from {self.lead}'s ({what}): every rank must hold the same model"
+            held = (
+                f"as {len(majority)} of {len(self.names)} ranks hold it"
+                if majority is not None
+                else "and no model is held by more ranks than another: which one changed cannot be told"
+            )
+            why = f"its model differs from {ref}'s, {held} ({what}): every rank must hold the same model"
             out[name] = failed(name, "manifest", SettingsError(why))
         return out
 

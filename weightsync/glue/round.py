@@ -6,10 +6,13 @@ A round, as :class:`Round` runs it::
                                                                     and first chunk overlap the
                                                                     workers' calls starting)
     per worker:        ws_receive(call)
-    per worker whose transport cannot tell that the sender finished:
-                       ws_commit(call, receive ref, *send refs)     (chained on every answer by
-                                                                    object refs: no round trip;
-                                                                    every rank's with owner sends)
+    per worker whose transport cannot tell that the sender finished, and every worker
+    with verify:       ws_commit(call, receive ref, lead's send ref  (chained on the answers by
+                                 with verify, *send refs)            object refs: no round trip;
+                                                                     every rank's with owner
+                                                                     sends; the destination is
+                                                                     checked against the lead's
+                                                                     checksums)
     gather once -> each party's final outcome -> all ok, or the failure policy
 
 In push mode a round is one call, to the trainer, which wakes the listening workers
@@ -63,11 +66,16 @@ class Round:
             calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
         for m in members:
             calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
-        chained = {m.name for m in members if not registry.get(m.transport).commits_alone}
+        # With verify every worker commits in a chained call: its destination is compared
+        # with the lead's checksums (one reference for every rank's workers).
+        chained = {m.name for m in members if call.verify or not registry.get(m.transport).commits_alone}
+        reference = calls[(lead, "send")]
         for m in (m for m in members if m.name in chained):
             servers = self.ranks.names if m.name in every else [self.ranks.names[m.rank]]
             sent = [calls[(server, "send")] for server in servers]
-            calls[(m.name, "commit")] = m.handle.ws_commit.remote(call, calls[(m.name, "receive")], *sent)
+            calls[(m.name, "commit")] = m.handle.ws_commit.remote(
+                call, calls[(m.name, "receive")], reference if call.verify else None, *sent
+            )
         outs = self.steps.gather(calls)
         final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
         for m in members:
@@ -85,7 +93,7 @@ class Round:
         lead = self.ranks.lead
         trainer = self.ranks.handles[0]
         for attempt in range(2):
-            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call)})[(lead, "push")]
+            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call, self.steps.owner)})[(lead, "push")]
             verdict = judge({lead: o}, f"sync failed {when}")
             if verdict is not None:
                 self.fail(verdict)
@@ -114,7 +122,7 @@ class Round:
                 held[name] = o.value
             else:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
-        self.steps.teardown(abort=True, skip=verdict.silent)
+        self.steps.teardown(abort=True, skip=verdict.silent, why="a failed sync")
         raise verdict.sync_error(held, dropped)
 
 

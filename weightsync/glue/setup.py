@@ -63,7 +63,7 @@ class Setup:
     def run(self) -> Manifest:
         handles = self.membership.handles()
         self.steps.run(
-            {(p, "teardown"): h.ws_teardown.remote(True) for p, h in handles.items()},
+            {(p, "teardown"): self.steps.close_call(p, h, True, "a new setup") for p, h in handles.items()},
             "closing the last session",
             self.steps.deadlines.startup_s,
         )
@@ -123,7 +123,7 @@ class Setup:
         parties = ranks.parties()
         made = self.steps.run(
             {
-                (r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names, self._hints())
+                (r, "manifest"): h.ws_manifest.remote(self.settings, r, ranks.names, self._hints(), self.steps.owner)
                 for r, h in parties.items()
             },
             "building the manifest",
@@ -138,7 +138,7 @@ class Setup:
             ranks.disagreeing({r: made[r].value for r in ranks.names}, layouts), "setup refused the trainer's ranks"
         )
         if verdict is not None:
-            self.steps.teardown(abort=True)
+            self.steps.teardown(abort=True, why="a refused setup")
             raise verdict.setup_error()
         manifest: Manifest = made[ranks.lead].value
         return manifest

@@ -27,9 +27,11 @@ Calls = Mapping[tuple[str, str], Any]
 class Steps:
     """The coordinator's way of calling its parties; ``deadlines`` gives the current policy."""
 
-    def __init__(self, membership: Membership, deadlines: Callable[[], Deadlines]) -> None:
+    def __init__(self, membership: Membership, deadlines: Callable[[], Deadlines], owner: str = "WeightSync") -> None:
         self.membership = membership
         self._deadlines = deadlines
+        #: The coordinator's label, told to the trainer's parties with every teardown.
+        self.owner = owner
         #: Called whenever a teardown ran: the coordinator is no longer set up.
         self.on_teardown: Callable[[], None] = lambda: None
 
@@ -50,20 +52,27 @@ class Steps:
         verdict = judge(outs, f"setup failed {when}")
         if verdict is not None:
             dropped = self.membership.drop(verdict.dead)
-            self.teardown(abort=True, skip={*verdict.dead, *verdict.silent})
+            self.teardown(abort=True, skip={*verdict.dead, *verdict.silent}, why=f"a failed setup, {when}")
             raise verdict.setup_error(dropped)
         return outs
 
-    def teardown(self, abort: bool = False, skip: Iterable[str] = ()) -> None:
+    def teardown(self, abort: bool = False, skip: Iterable[str] = (), why: str = "a teardown") -> None:
         """Close every transport on every party not in ``skip``; failures are logged (a party
-        that died is dropped by the step that saw it die, or named by the next setup)."""
+        that died is dropped by the step that saw it die, or named by the next setup).
+        The trainer's parties are told who tore them down and ``why``."""
         self.on_teardown()
         left_out = set(skip)
         calls = {
-            (p, "teardown"): h.ws_teardown.remote(abort)
+            (p, "teardown"): self.close_call(p, h, abort, why)
             for p, h in self.membership.handles().items()
             if p not in left_out
         }
         for (party, _), o in self.gather(calls).items():
             if not o.ok:
                 log.warning("weightsync: teardown on %s: %s", party, o.line())
+
+    def close_call(self, party: str, handle: Any, abort: bool, why: str) -> Any:
+        """The teardown call of ``party``: a trainer party is told who closes it, and why."""
+        if party in self.membership.ranks.names:
+            return handle.ws_teardown.remote(abort, f"{self.owner} ({why})")
+        return handle.ws_teardown.remote(abort)

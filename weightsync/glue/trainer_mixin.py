@@ -73,18 +73,19 @@ class TrainerMixin:
         party: str = TRAINER_PARTY,
         ranks: Sequence[str] = (),
         hints: BufferHints | None = None,
+        owner: str = "",
     ) -> Outcome:
         """The manifest of the model as it is now, which starts this party's Session;
         ``party``/``ranks``: this rank's name and every rank's, in rank order (a sharded
         trainer checks it was given its mesh's order); ``hints``: what
-        ``buffer_bytes="auto"`` is sized from."""
+        ``buffer_bytes="auto"`` is sized from; ``owner``: the coordinator's label."""
 
         def build() -> Manifest:
             sender = self._ws()
             if isinstance(sender, ShardedSender):
                 sender.bind(party, ranks)
             sender.name = party
-            return sender.manifest(settings, hints)
+            return sender.manifest(settings, hints, owner)
 
         return answer(party, "manifest", build)
 
@@ -112,13 +113,14 @@ class TrainerMixin:
         return answer(self._me(), "checksums", self._ws().checksums)
 
     # push mode ----------------------------------------------------------------------------
-    def ws_push(self, call: SyncCall) -> Outcome:
-        """Push mode: one sync of the listening workers (``WeightSync.sync`` calls this)."""
-        return answer(self._me(), "push", self._ws_push, call)
+    def ws_push(self, call: SyncCall, owner: str = "") -> Outcome:
+        """Push mode: one sync of the listening workers (``WeightSync.sync`` calls this;
+        ``owner``: its label, to tell it when another coordinator took the trainer over)."""
+        return answer(self._me(), "push", self._ws_push, call, owner)
 
-    def _ws_push(self, call: SyncCall) -> PushResult:
+    def _ws_push(self, call: SyncCall, owner: str = "") -> PushResult:
         sender = self._ws()
-        return pusher_of(sender).push(sender.send, call)
+        return pusher_of(sender, owner).push(sender.send, call)
 
     def weightsync_push(self, version: int, verify: bool = False, force: bool = False) -> PushResult:
         """Sync ``version`` to every listening worker from inside this actor's own method.
@@ -143,7 +145,14 @@ class TrainerMixin:
         held = {n: (a.version, a.state) for n, a in result.workers.items() if a.state != "unknown"}
         verdict = judge(outcomes, f"push of version {version} failed")
         if verdict is not None:
-            raise verdict.sync_error(held)
+            text = verdict.message(held)
+            if verdict.dead:
+                # Membership is the driver's: say what happens to them, as a sync would.
+                text += (
+                    f"\n  dead worker(s) {', '.join(verdict.dead)}: the next WeightSync.sync() or setup() drops "
+                    "them and goes on without them"
+                )
+            raise SyncError(text, verdict.outcomes, verdict.culprits, verdict.dead, held)
         stale = {n: a.outcome.value.stale for n, a in result.workers.items() if a.outcome.value.stale}
         if stale:
             moved = "; ".join(f"{n}: {', '.join(names)}" for n, names in sorted(stale.items()))
@@ -158,10 +167,12 @@ class TrainerMixin:
             )
         return result
 
-    def ws_teardown(self, abort: bool = False) -> Outcome:
+    def ws_teardown(self, abort: bool = False, by: str = "") -> Outcome:
+        """Close this party's transports; ``by``: the coordinator's label and why."""
+
         def teardown() -> None:
             sender = getattr(self, "_ws_sender", None)
             if sender is not None:
-                sender.close_transports(abort)
+                sender.close_transports(abort, by)
 
         return answer(self._me(), "teardown", teardown)

@@ -90,11 +90,12 @@ class WorkerMixin:
         """This worker's side of one sync (every transport); commits unless it is a broadcast."""
         return answer(self._me(), "receive", self._wr().receive, call)
 
-    def ws_commit(self, call: SyncCall, received: Outcome, *sent: Outcome) -> Outcome:
-        """A broadcast worker takes the version once its own receive and the side of every
-        trainer party serving it are known. All arrive as Ray object refs, so Ray starts this
-        as soon as every one answered."""
-        return answer(self._me(), "commit", self._wr().commit, call, received, *sent)
+    def ws_commit(self, call: SyncCall, received: Outcome, reference: Outcome | None, *sent: Outcome) -> Outcome:
+        """A broadcast worker (every worker, with verify) takes the version once its own
+        receive, the side of every trainer party serving it and, with verify, the reference
+        trainer party's side are known. They arrive as Ray object refs, so Ray starts this as
+        soon as all answered."""
+        return answer(self._me(), "commit", self._wr().commit, call, received, reference, *sent)
 
     def ws_settle(self) -> Outcome:
         return answer(self._me(), "settle", self._wr().settle)

@@ -28,8 +28,9 @@ from weightsync.core.placement import gpu_reason, same_device
 from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender, Communicator
 from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.transport.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
-from weightsync.core.wire.manifest import Chunk, Manifest
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, GroupSpec
+from weightsync.core.wire.plan import Chunk
 
 log = logging.getLogger("weightsync")
 

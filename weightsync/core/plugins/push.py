@@ -47,16 +47,30 @@ def _seal(side: WorkerSide) -> None:
     side.seal_listen()
 
 
-def pusher_of(side: TrainerSide) -> Pusher:
-    """The trainer party's pusher; refuses, saying what to do, when push mode is not set up."""
+def pusher_of(side: TrainerSide, owner: str = "") -> Pusher:
+    """The trainer party's pusher; refuses, saying what happened and what to do, when push
+    mode is not set up. ``owner``: the label of the coordinator asking (none from inside
+    the trainer)."""
     pusher = side.extras.get(_KEY)
-    if not isinstance(pusher, Pusher):
+    if isinstance(pusher, Pusher):
+        return pusher
+    me = getattr(side, "name", "trainer")
+    current, closed_by = getattr(side, "owner", ""), getattr(side, "closed_by", "")
+    if owner and current and current != owner:
         raise SettingsError(
-            f"{side.session.party}: no push-mode session is open on this trainer (never set up with "
-            "WeightSync(..., push=True), or torn down since): run WeightSync(..., push=True).setup() "
-            "from the driver first"
+            f"{me}: this trainer's push session was torn down by another WeightSync ({current}), which set up "
+            "this trainer since: two WeightSyncs cannot share one trainer's push session; close the other one, "
+            "then this one's next sync sets up again"
         )
-    return pusher
+    if closed_by:
+        raise SettingsError(
+            f"{me}: this trainer's push session was torn down by {closed_by}; run setup() (or sync()) on a "
+            "WeightSync(..., push=True) from the driver before pushing again"
+        )
+    raise SettingsError(
+        f"{me}: no push-mode session is open on this trainer (set up without push=True): set it up with "
+        "WeightSync(..., push=True).setup() from the driver first"
+    )
 
 
 PUSH = Mode(

@@ -64,7 +64,9 @@ class Sources:
 
     ``streamed``: the tensors are made as they are read (a sharded rank gathers them bucket
     by bucket, :mod:`weightsync.core.sharded`): read them in manifest order, keep none past its
-    use, and plan nothing on their addresses (``key`` is None).
+    use, and plan nothing on their addresses (``key`` is None). ``checksums``: with
+    ``verify``, each tensor's checksum as it travels, computed once per sync by the sender
+    (a half that checks per tensor reuses them instead of walking the tensors again).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Sources:
         #: The tensors as this party holds them (a sharded rank's DTensors, not gathered;
         #: by default ``tensors``), for a transport that sends only what each rank owns.
         self.local = tensors if local is None else local
+        self.checksums: list[int] | None = None
 
 
 class SendHalf(abc.ABC):
@@ -97,6 +100,11 @@ class SendHalf(abc.ABC):
     @abc.abstractmethod
     def peers(self) -> tuple[str, ...]:
         """Every worker this half can reach in this session (what a call without targets drives)."""
+
+    def start(self, call: SyncCall) -> None:
+        """Called first in every sync this half takes part in, before any check that may
+        fail it: a half with per-sync state resets it (the control blocks' abort epoch)."""
+        return None
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """How many passes in manifest order over ``sources.tensors`` :meth:`send` makes for
@@ -124,6 +132,10 @@ class ReceiveHalf(abc.ABC):
     def mappings(self) -> tuple[int, int]:
         """(mappings made, mappings released) of other processes' exports by this half."""
         return 0, 0
+
+    def start(self, call: SyncCall) -> None:
+        """Called first in every sync, before any check that may fail it (see SendHalf.start)."""
+        return None
 
     @abc.abstractmethod
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:

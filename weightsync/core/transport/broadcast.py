@@ -43,8 +43,8 @@ from weightsync.core.packing import ChunkUnpacker, as_bytes, byte_checksum, cont
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire.errors import PeerAborted, WeightSyncError
-from weightsync.core.wire.manifest import Chunk
 from weightsync.core.wire.messages import SyncCall
+from weightsync.core.wire.plan import Chunk
 from weightsync.core.wire.session import Session
 
 log = logging.getLogger("weightsync")
@@ -89,7 +89,8 @@ class PackedGroup:
         self.manifest = session.manifest
         self.deadlines = session.deadlines
         self.members = tuple(members)
-        nbuf = self.manifest.agreed.num_buffers
+        # num_buffers, never more than the plan has chunks.
+        nbuf = self.nbuf = self.manifest.depth(self.manifest.broadcast_chunks)
         # One stream per buffer slot, and the last one for the in-place operations.
         self.streams = SlotStreams(comm.device, nbuf + 1)
         self.lane = nbuf
@@ -108,10 +109,11 @@ class PackedGroup:
         """The packing buffers, allocated on first use: each as large as the plan's largest
         packed chunk (at most ``buffer_bytes``; with most bytes in place, much less)."""
         if not self._buffers:
-            size = max((c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace), default=0)
+            packed = [c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace]
+            # Packed chunk p uses buffer p % nbuf: never more buffers than packed chunks.
             self._buffers = [
-                torch.empty(size, dtype=torch.uint8, device=self.comm.device)
-                for _ in range(self.manifest.agreed.num_buffers)
+                torch.empty(max(packed, default=0), dtype=torch.uint8, device=self.comm.device)
+                for _ in range(max(1, min(self.nbuf, len(packed))))
             ]
         return self._buffers
 
@@ -159,6 +161,7 @@ class PackedGroup:
 
     def close(self, abort: bool = False) -> None:
         self.in_flight.clear()
+        self._buffers, self._scratch = [], None
         if abort or self._broken:
             self._broken = True
             self.comm.abort()
@@ -177,7 +180,7 @@ class BroadcastSender(PackedGroup, SendHalf):
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self.agree(deadline)
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
         inplace: deque[tuple[Work, torch.Tensor]] = deque()
@@ -264,7 +267,7 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
-        nbuf = manifest.agreed.num_buffers
+        nbuf = self.nbuf
         direct = [self._direct_target(c, destinations) for c in plan]
         scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
         # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.

@@ -4,12 +4,16 @@ The colocated transports (ipc, direct) hand work over through a few int64 words 
 ``/dev/shm`` that both processes poll, instead of Ray round trips. Word layout::
 
     word 0   MAGIC           a mapping of the wrong file is refused
-    word 1   abort code      0, or the code of the first side that failed
+    word 1   abort word      0, or the code of the first side that failed (low 16 bits)
+                             and the sync it failed in (the epoch, above them)
     word 2.. the transport's own words (counters, pids, checksums)
 
 Abort codes are named by the transport: :data:`TRAINER` is always 1, and
 :func:`worker_code` gives each worker of an export its own. The first side to fail writes
 its code, so its peers stop at once and name it instead of waiting out their deadline.
+Each side sets :attr:`ControlBlock.epoch` at the start of every sync (``seq + 1``): an
+abort is recorded with the epoch it happened in, and an abort of an earlier sync is stale,
+so it neither stops this sync nor keeps this sync's first failure from being recorded.
 
 Every wait has a deadline (:class:`~weightsync.core.wire.session.Deadlines` decides them
 all, the coordinator's too), and can watch the peer's process: a peer that died without raising the flag (SIGKILL,
@@ -32,6 +36,7 @@ MAGIC = 0x5753594E43  # "WSYNC"
 _ABORT = 1
 FIRST_FREE_WORD = 2
 TRAINER = 1
+_CODE_BITS = 16
 
 
 def worker_code(index: int) -> int:
@@ -46,6 +51,8 @@ class ControlBlock:
         self.words = words
         self.path = path
         self._region = region
+        #: This side's current sync (seq + 1; 0: no sync started, every abort counts).
+        self.epoch = 0
 
     @classmethod
     def create(cls, nwords: int, tag: str) -> ControlBlock:
@@ -84,13 +91,18 @@ class ControlBlock:
         self.words[FIRST_FREE_WORD + word] = value
 
     def abort(self, code: int) -> None:
-        """Record ``code`` as the failing side unless another side failed first."""
-        if not int(self.words[_ABORT]):
-            self.words[_ABORT] = code
+        """Record ``code`` as the failing side of this epoch's sync unless another side
+        failed first in it (an abort of an earlier sync is overwritten)."""
+        if not self.aborted_by:
+            self.words[_ABORT] = code | (self.epoch << _CODE_BITS)
 
     @property
     def aborted_by(self) -> int:
-        return int(self.words[_ABORT])
+        """The code of the side that failed this sync (or a later one), or 0."""
+        word = int(self.words[_ABORT])
+        if word >> _CODE_BITS < self.epoch:
+            return 0
+        return word & ((1 << _CODE_BITS) - 1)
 
     def wait(
         self,

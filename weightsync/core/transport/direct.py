@@ -166,6 +166,10 @@ class DirectTarget(ReceiveHalf):
                 )
         return mine, ()
 
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
+
     def _ctl(self) -> ControlBlock:
         if self._control is None:
             raise WeightSyncError(f"{self.name}: no direct export; run setup()")
@@ -256,7 +260,9 @@ class DirectWriter(SendHalf):
         if sources.streamed:
             return self._send_streamed(sources, call, deadline)
         checksums: list[int] = []
-        if call.verify:
+        if call.verify and sources.checksums is not None:
+            checksums = sources.checksums  # computed once by the sender for every half
+        elif call.verify:
             with torch.no_grad():
                 # One cast at a time: streamed sources must not all be alive at once.
                 checksums = read_checksums(
@@ -265,14 +271,19 @@ class DirectWriter(SendHalf):
         stale = tuple(w for w in call.to(self.kind) if not self.write(w, sources, call.seq, deadline, checksums))
         return checksums, stale
 
+    def start(self, call: SyncCall) -> None:
+        for mapped in self._mapped.values():
+            mapped.control.epoch = call.seq + 1
+
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """One pass over streamed sources, whatever the number of workers (see :meth:`_send_streamed`)."""
         return 1 if targets else 0
 
     def _send_streamed(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Streamed sources (a sharded rank's gathers) are read once: every worker announces
-        first, then each tensor, as it is gathered, is checksummed (with ``verify``) and
-        copied into every worker, so a rank serving N workers gathers the model once."""
+        first, then each tensor, as it is gathered, is copied into every worker (and, with
+        ``verify`` when the sender has not summed them already, checksummed), so a rank
+        serving N workers gathers the model once."""
         ready: list[_Mapped] = []
         stale: list[str] = []
         for worker in call.to(self.kind):
@@ -282,17 +293,18 @@ class DirectWriter(SendHalf):
             else:
                 ready.append(mapped)
         sums: list[torch.Tensor] = []
+        summed = sources.checksums if call.verify else None
         self._streams.wait_for(0, self._streams.caller_stream())
         with torch.no_grad(), self._streams.use(0):
             for index, (spec, source) in enumerate(zip(self.manifest.specs, sources.tensors)):
-                if call.verify:
+                if call.verify and summed is None:
                     sums.append(word_sum(source.to(spec.torch_dtype)))
                 for mapped in ready:
                     destination = mapped.destinations[index]
                     if destination is not None:
                         destination.copy_(source)
         self._streams.drain(deadline, f"{self.name}: writing into {len(ready)} direct worker(s) timed out", own=True)
-        checksums = read_checksums(sums) if call.verify else []
+        checksums = (summed if summed is not None else read_checksums(sums)) if call.verify else []
         for mapped in ready:
             self._publish(mapped.control, call.seq, checksums)
         return checksums, tuple(stale)

@@ -2,8 +2,9 @@
 
 For a trainer and workers on one device (one GPU, or one host on CPU) whose sink transforms
 tensors on load, where a collective is impossible (NCCL refuses two ranks on one GPU). The
-producer allocates ``num_buffers`` slots in one exported region and packs chunk k into slot
-``k % num_buffers``; each consumer copies out of its mapping of the same memory.
+producer allocates ``num_buffers`` slots (never more than the plan has chunks:
+``Manifest.depth``) in one exported region and packs chunk k into slot ``k % num_buffers``;
+each consumer copies out of its mapping of the same memory.
 
 Per sync, one call per side (``send`` and ``receive``, started together). Slots are handed
 over on the control block: the producer publishes chunk g after its bytes are visible, each
@@ -80,7 +81,7 @@ class IpcSender(SendHalf):
         self.device = device
         self.deadlines = session.deadlines
         self.name = session.party
-        self.streams = SlotStreams(device, self.manifest.agreed.num_buffers)
+        self.streams = SlotStreams(device, self.manifest.depth(self.manifest.chunks))
         self._slots: Region | None = None
         self._control: ControlBlock | None = None
         self._export: IpcExport | None = None
@@ -95,7 +96,7 @@ class IpcSender(SendHalf):
         """Allocate and export the slots and the control block, once per session."""
         if self._export is not None:
             raise WeightSyncError(f"{self.name}: IPC slots already exported for this session")
-        nbuf, size = self.manifest.agreed.num_buffers, self.manifest.agreed.buffer_bytes
+        nbuf, size = self.manifest.depth(self.manifest.chunks), self.manifest.agreed.buffer_bytes
         self._slots = make_region(nbuf * size, self.device, tag="slots")
         self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
         self._control[_PRODUCER_PID] = os.getpid()
@@ -129,8 +130,10 @@ class IpcSender(SendHalf):
     def slot_buffer(self, slot: int) -> torch.Tensor:
         if self._slots is None or self._export is None:
             raise WeightSyncError(f"{self.name}: export() must run before packing")
-        if not 0 <= slot < self.manifest.agreed.num_buffers:
-            raise WeightSyncError(f"{self.name}: slot {slot} out of range (0..{self.manifest.agreed.num_buffers - 1})")
+        if not 0 <= slot < self.manifest.depth(self.manifest.chunks):
+            raise WeightSyncError(
+                f"{self.name}: slot {slot} out of range (0..{self.manifest.depth(self.manifest.chunks) - 1})"
+            )
         size = self.manifest.agreed.buffer_bytes
         return self._slots.tensor[slot * size : (slot + 1) * size]
 
@@ -186,7 +189,7 @@ class IpcSender(SendHalf):
         """
         control, export = self._ctl()
         consumers = range(export.num_consumers)
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.manifest.depth(self.manifest.chunks)
         base = call.seq * len(self.manifest.chunks)
         checksums: list[int] = []
         if control[_PUBLISHED] != base:
@@ -241,6 +244,10 @@ class IpcSender(SendHalf):
         )
         control[_WAITING] = 0
 
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
+
     def abort(self) -> None:
         if self._control is not None:
             self._control.abort(TRAINER)
@@ -284,11 +291,11 @@ class IpcReceiver(ReceiveHalf):
                 f"{self.name}: consumer index {consumer_index} out of range for an export "
                 f"made for {export.num_consumers} consumer(s)"
             )
-        agreed = self.manifest.agreed
-        if export.slot_bytes != agreed.buffer_bytes or export.num_slots != agreed.num_buffers:
+        agreed, depth = self.manifest.agreed, self.manifest.depth(self.manifest.chunks)
+        if export.slot_bytes != agreed.buffer_bytes or export.num_slots != depth:
             raise WeightSyncError(
                 f"{self.name}: IPC export has {export.num_slots} slot(s) of {export.slot_bytes} "
-                f"bytes, the manifest says {agreed.num_buffers} of {agreed.buffer_bytes}"
+                f"bytes, the manifest says {depth} of {agreed.buffer_bytes}"
             )
         self._slots = self.importer.map(export.slots)
         control = ControlBlock.attach(self.importer.map(export.control), self.name, export.control.path)
@@ -390,7 +397,7 @@ class IpcReceiver(ReceiveHalf):
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         """Take every chunk as the producer publishes it; returns once every byte landed."""
         control, export = self._ctl()
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.manifest.depth(self.manifest.chunks)
         base = call.seq * len(self.manifest.chunks)
         deadline = self.deadlines.follower(time.monotonic())
         names = [self.server, *export.consumer_names]
@@ -423,6 +430,10 @@ class IpcReceiver(ReceiveHalf):
         unpacker.finish()
         self._synchronize("copying the last chunks out")
         return checksums, ()
+
+    def start(self, call: SyncCall) -> None:
+        if self._control is not None:
+            self._control.epoch = call.seq + 1
 
     def abort(self) -> None:
         if self._control is not None:

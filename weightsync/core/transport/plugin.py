@@ -41,8 +41,9 @@ import torch
 
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf
 from weightsync.core.wire.errors import SettingsError
-from weightsync.core.wire.manifest import Chunk, Manifest
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, PushExport
+from weightsync.core.wire.plan import Chunk
 from weightsync.core.wire.session import Session
 
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")

@@ -5,7 +5,8 @@ Ray-free and transport-free; everything else in weightsync builds on it.
 * :mod:`~weightsync.core.wire.errors`: every error class, with ``consequence``/``blames`` as data.
 * :mod:`~weightsync.core.wire.dtypes`: the dtype allow-list.
 * :mod:`~weightsync.core.wire.settings`: :class:`SyncSettings`, validated.
-* :mod:`~weightsync.core.wire.manifest`: TensorSpec, the chunk plan, the Manifest.
+* :mod:`~weightsync.core.wire.manifest`: TensorSpec, the Manifest.
+* :mod:`~weightsync.core.wire.plan`: the chunk plans (packed, broadcast) both sides derive.
 * :mod:`~weightsync.core.wire.messages`: endpoint info, group spec, export handles, per-sync calls and results.
 * :mod:`~weightsync.core.wire.outcome`: :class:`Outcome` per party and call, and blame.
 * :mod:`~weightsync.core.wire.session`: :class:`Session` per party and set-up, and the deadline policy.
@@ -20,6 +21,7 @@ from weightsync.core.wire.errors import (
     ManifestError,
     ModelChangedError,
     PeerAborted,
+    SessionTornDown,
     SettingsError,
     SetupError,
     StreamTimeout,
@@ -34,13 +36,8 @@ from weightsync.core.wire.errors import (
 from weightsync.core.wire.manifest import (
     PROTOCOL_VERSION,
     AgreedSettings,
-    Chunk,
-    ChunkPiece,
     Manifest,
     TensorSpec,
-    align_up,
-    plan_broadcast,
-    plan_chunks,
 )
 from weightsync.core.wire.messages import (
     CudaIpcHandle,
@@ -55,6 +52,7 @@ from weightsync.core.wire.messages import (
     SyncCall,
 )
 from weightsync.core.wire.outcome import Outcome, Status, assign_blame
+from weightsync.core.wire.plan import Chunk, ChunkPiece, align_up, plan_broadcast, plan_chunks
 from weightsync.core.wire.report import SyncReport, WorkerReport
 from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
 from weightsync.core.wire.settings import (
@@ -90,6 +88,7 @@ __all__ = [
     "ModelChangedError",
     "Outcome",
     "PeerAborted",
+    "SessionTornDown",
     "ReceiveResult",
     "RegionHandle",
     "SendResult",

@@ -98,6 +98,11 @@ class PeerAborted(WeightSyncError):
     consequence = True
 
 
+class SessionTornDown(WeightSyncError):
+    """The session a call ran in was torn down meanwhile (``close()``, a new setup, a failed
+    sync, ``remove_worker()``), from another thread or by another coordinator."""
+
+
 class TransferError(WeightSyncError):
     """A collective failed because a peer left the group or crashed."""
 

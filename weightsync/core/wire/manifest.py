@@ -17,6 +17,7 @@ import torch
 
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.core.wire.errors import ManifestError, SettingsError
+from weightsync.core.wire.plan import Chunk, align_up, plan_broadcast, plan_chunks
 from weightsync.core.wire.settings import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUFFER_BYTES,
@@ -29,11 +30,7 @@ from weightsync.core.wire.settings import (
 PROTOCOL_VERSION = 3
 
 
-def align_up(offset: int, alignment: int) -> int:
-    return (offset + alignment - 1) // alignment * alignment
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One tensor as it travels: its name, shape and wire dtype (by allow-listed name)."""
 
@@ -67,6 +64,11 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
 
+    def __reduce__(self) -> tuple[type[TensorSpec], tuple[str, tuple[int, ...], str]]:
+        # Rebuilt through the constructor, so what arrives is validated again (and pickled
+        # faster than a frozen, slotted dataclass's own state, which walks its fields).
+        return TensorSpec, (self.name, self.shape, self.dtype)
+
     def mismatch(self, tensor: torch.Tensor) -> str | None:
         """Why ``tensor`` cannot receive this spec's bytes without a cast or a broadcast, or None."""
         if tuple(tensor.shape) != self.shape:
@@ -74,105 +76,6 @@ class TensorSpec:
         if tensor.dtype != self.torch_dtype:
             return f"{self.name}: dtype {tensor.dtype}, the manifest says {self.dtype}"
         return None
-
-
-@dataclass(frozen=True)
-class ChunkPiece:
-    """A contiguous byte range of one tensor placed at ``buffer_offset`` in a chunk.
-
-    ``tensor_offset`` is the byte offset inside the tensor's own contiguous bytes; a piece
-    with ``tensor_offset == 0`` and ``nbytes`` equal to the tensor's size is the whole
-    tensor, which is the common case. Tensors larger than the buffer span several chunks.
-    """
-
-    spec_index: int
-    tensor_offset: int
-    buffer_offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """The contents of one buffer fill: pieces in order and the bytes actually used.
-
-    An ``inplace`` chunk (broadcast plans only) is one whole tensor sent by its own
-    collective, from the trainer's tensor into the worker's: one piece, offset 0.
-    """
-
-    index: int
-    pieces: tuple[ChunkPiece, ...]
-    nbytes: int
-    inplace: bool = False
-
-
-def plan_chunks(specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int) -> tuple[Chunk, ...]:
-    """Assign every tensor's bytes to (chunk, offset) pairs, deterministically.
-
-    Tensors are placed in spec order at aligned offsets. A tensor that does not fit in what
-    is left of the current buffer, but fits in an empty one, starts a new chunk rather than
-    being split; only a tensor larger than the whole buffer is split, filling whole buffers
-    in turn. Zero-byte tensors take a zero-length piece so that every tensor is delivered.
-    """
-    chunks: list[Chunk] = []
-    pieces: list[ChunkPiece] = []
-    cursor = 0
-
-    def flush() -> None:
-        nonlocal pieces, cursor
-        used = max((p.buffer_offset + p.nbytes for p in pieces), default=0)
-        chunks.append(Chunk(index=len(chunks), pieces=tuple(pieces), nbytes=used))
-        pieces, cursor = [], 0
-
-    for index, spec in enumerate(specs):
-        size = spec.nbytes
-        if size == 0:
-            pieces.append(ChunkPiece(index, 0, min(align_up(cursor, alignment), buffer_bytes), 0))
-            continue
-        done = 0
-        while done < size:
-            start = align_up(cursor, alignment)
-            space = buffer_bytes - start
-            left = size - done
-            if pieces and (space <= 0 or (left > space and left <= buffer_bytes)):
-                flush()
-                continue
-            take = min(space, left)
-            pieces.append(ChunkPiece(index, done, start, take))
-            cursor = start + take
-            done += take
-    if pieces:
-        flush()
-    return tuple(chunks)
-
-
-def plan_broadcast(
-    specs: Sequence[TensorSpec], buffer_bytes: int, alignment: int, inplace_bytes: int
-) -> tuple[Chunk, ...]:
-    """The broadcast plan: every tensor of at least ``inplace_bytes`` (0: none) is an
-    in-place chunk of its own; the runs of smaller tensors between them are packed as
-    :func:`plan_chunks` packs them. Chunks follow spec order, so the trainer reads its
-    tensors in manifest order (a sharded source gathers bucket by bucket in that order).
-    """
-    if inplace_bytes <= 0:
-        return plan_chunks(specs, buffer_bytes, alignment)
-    plan: list[Chunk] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        for chunk in plan_chunks([specs[i] for i in run], buffer_bytes, alignment):
-            pieces = tuple(replace(p, spec_index=run[p.spec_index]) for p in chunk.pieces)
-            plan.append(Chunk(index=len(plan), pieces=pieces, nbytes=chunk.nbytes))
-        run.clear()
-
-    for index, spec in enumerate(specs):
-        if spec.nbytes and spec.nbytes >= inplace_bytes:
-            flush()
-            piece = ChunkPiece(index, 0, 0, spec.nbytes)
-            plan.append(Chunk(index=len(plan), pieces=(piece,), nbytes=spec.nbytes, inplace=True))
-        else:
-            run.append(index)
-    flush()
-    return tuple(plan)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,13 +142,31 @@ class Manifest:
         spec_tuple = tuple(specs)
         check_specs(spec_tuple)
         a = agreed
+        sizes = [s.nbytes for s in spec_tuple]
+        total = sum(sizes)
+        # Every chunk holds at most buffer_bytes of aligned pieces: refuse before planning
+        # a plan too long to hold (a tiny buffer_bytes for a large model).
+        least = -(-sum(align_up(n, a.alignment) for n in sizes) // a.buffer_bytes)
+        _check_chunk_count(least, total, a)
+        chunks = plan_chunks(spec_tuple, a.buffer_bytes, a.alignment, sizes)
+        _check_chunk_count(len(chunks), total, a)
+        inplace = a.inplace_bytes > 0 and max(sizes) >= a.inplace_bytes
         return cls(
             specs=spec_tuple,
             agreed=a,
-            chunks=plan_chunks(spec_tuple, a.buffer_bytes, a.alignment),
-            broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes),
-            total_bytes=sum(s.nbytes for s in spec_tuple),
+            chunks=chunks,
+            # Without in-place tensors both plans are one: shared, so it is held and sent once.
+            broadcast_chunks=plan_broadcast(spec_tuple, a.buffer_bytes, a.alignment, a.inplace_bytes)
+            if inplace
+            else chunks,
+            total_bytes=total,
         )
+
+    def depth(self, plan: Sequence[Chunk]) -> int:
+        """The buffers (slots) a transport rotates for ``plan``: ``num_buffers``, never more
+        than the plan has chunks (both sides derive it, so a huge ``num_buffers`` costs
+        nothing it cannot use)."""
+        return max(1, min(self.agreed.num_buffers, len(plan)))
 
     @property
     def inplace_count(self) -> int:
@@ -335,6 +256,20 @@ class Manifest:
                 f"(the trainer's settings are the ones used; drop the override on {who} or "
                 "make them equal): " + "; ".join(problems)
             )
+
+
+#: The most chunks one plan may hold: every chunk costs each side a little bookkeeping per
+#: sync, and a plan this long means ``buffer_bytes`` is far too small for the model.
+MAX_CHUNKS = 1 << 20
+
+
+def _check_chunk_count(count: int, total_bytes: int, agreed: AgreedSettings) -> None:
+    if count > MAX_CHUNKS:
+        raise SettingsError(
+            f"buffer_bytes={agreed.buffer_bytes} cuts {total_bytes} bytes of tensors into at least {count} chunks, "
+            f"more than the {MAX_CHUNKS} one plan may hold: raise buffer_bytes (to at least "
+            f"{-(-total_bytes // MAX_CHUNKS) + agreed.alignment}) or leave it at its default"
+        )
 
 
 def check_specs(specs: Sequence[TensorSpec]) -> None:

@@ -244,11 +244,16 @@ class SyncCall:
 
 @dataclass(frozen=True, kw_only=True)
 class SendResult:
-    """The trainer's answer to one sync: checksums per transport and the stale direct workers."""
+    """The trainer's answer to one sync: checksums per transport and the stale direct workers.
+
+    ``tensor_checksums`` (with ``verify``): per tensor, the checksum of the bytes this trainer
+    party sent (after the wire cast), what each worker's destination is compared with.
+    """
 
     checksums: dict[str, list[int]] = field(default_factory=dict)
     stale: tuple[str, ...] = ()
     seconds: float = 0.0
+    tensor_checksums: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,6 +269,9 @@ class ReceiveResult:
     stale: tuple[str, ...] = ()
     #: The transport the bytes came over (what a later commit checks them against).
     transport: str = ""
+    #: With ``verify``: per tensor, the checksum of what the worker's sink holds after
+    #: loading (see ``Sink.checksums``); its commit compares them with the reference trainer's.
+    held: list[int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.core.wire.errors import SettingsError
-from weightsync.core.wire.manifest import TensorSpec, align_up
+from weightsync.core.wire.manifest import TensorSpec
+from weightsync.core.wire.plan import align_up
 
 #: CUDA knee, measured on the H200 test machine, 2026-12-03 (docs/benchmarks.md, "fourth
 #: session"): 16.6 GB bf16 model over ipc, trainer and worker sharing the GPU, 2 slots:

@@ -1,0 +1,173 @@
+"""Messages and teardowns at the edges: a push racing a teardown, a session another
+coordinator took over, a trainer rank blamed for its own change, dead workers dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.catalogue import kill_and_wait
+from tests.helpers import MixedModel
+from tests.test_push import parties
+from tests.test_ray_e2e import assert_workers_match, get
+from weightsync import SyncError, WeightSync
+from weightsync.core import registry
+from weightsync.core.local import open_local
+from weightsync.core.plugins.push import pusher_of
+from weightsync.core.pusher import Pusher
+from weightsync.core.receiver import WeightReceiver
+from weightsync.core.sender import WeightSender
+from weightsync.core.wire import SettingsError, SyncCall, SyncSettings, TensorSpec
+from weightsync.core.wire.manifest import Manifest
+from weightsync.core.wire.messages import PushResult
+from weightsync.glue.ranks import TrainerRanks
+
+
+def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_error() -> None:
+    """A reader holds the worker's gate, so the push waits; a teardown on another thread
+    (as a coordinator's, on a threaded trainer) ends it: the worker is answered with a
+    typed error naming it and the teardown, and the mailboxes go only after the push."""
+    sender = WeightSender(model=MixedModel(seed=0))
+    manifest = sender.manifest(SyncSettings(timeout_s=20.0))
+    receiver = WeightReceiver(MixedModel(seed=1), name="worker-0")
+    receiver.accept(manifest, timeout_s=20.0)
+    open_local(registry.get("direct"), sender, {"worker-0": receiver})
+    pusher = Pusher(sender.session, "direct")
+    pusher.attach([receiver.listen()])
+    receiver.seal_listen()
+    sender.extras["pusher"] = pusher
+    results: list[Any] = []
+
+    def push() -> None:
+        try:
+            results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})))
+        except Exception as exc:  # the test looks at it
+            results.append(exc)
+
+    try:
+        with receiver.reading():
+            thread = threading.Thread(target=push, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while pusher.seq == 0:  # the push posted its call: it is in flight
+                assert time.monotonic() < deadline, "the push never started"
+                time.sleep(0.005)
+            sender.close_transports(abort=True, by="WeightSync test (close())")
+            thread.join(30)
+            assert not thread.is_alive()
+        (result,) = results
+        assert isinstance(result, PushResult), result
+        answer = result.workers["worker-0"].outcome
+        assert answer.error == "SessionTornDown" and "worker-0" in answer.message and "torn down" in answer.message
+        with pytest.raises(SettingsError, match=r"torn down by WeightSync test \(close\(\)\)"):
+            pusher_of(sender)
+    finally:
+        receiver.close_transports(abort=True)
+        pusher.close()
+        sender.close_transports(abort=True)
+
+
+def test_a_push_session_taken_over_by_another_weightsync_says_so() -> None:
+    sender = WeightSender(model=MixedModel(seed=0))
+    sender.manifest(SyncSettings(), owner="WeightSync bbbb")
+    with pytest.raises(SettingsError, match="another WeightSync \\(WeightSync bbbb\\)"):
+        pusher_of(sender, owner="WeightSync aaaa")
+    with pytest.raises(SettingsError, match="without push=True"):
+        pusher_of(sender, owner="WeightSync bbbb")
+
+
+def test_a_changed_rank_0_is_blamed_not_the_ranks_that_agree() -> None:
+    names = ["trainer-rank-0", "trainer-rank-1", "trainer-rank-2"]
+    ranks = TrainerRanks([object(), object(), object()])
+    same = [TensorSpec(name="w", shape=(4,), dtype="float32")]
+    changed = [*same, TensorSpec(name="extra", shape=(3,), dtype="float32")]
+    build = lambda specs: Manifest.build(specs, buffer_bytes=1024, num_buffers=2)  # noqa: E731
+    blamed = ranks.disagreeing(dict(zip(names, [build(changed), build(same), build(same)])))
+    assert sorted(blamed) == ["trainer-rank-0"]
+    assert "extra" in blamed["trainer-rank-0"].message
+    assert sorted(ranks.disagreeing(dict(zip(names, [build(same), build(changed), build(same)])))) == ["trainer-rank-1"]
+    # Two ranks: nobody can tell which one changed; both are named.
+    two = TrainerRanks([object(), object()])
+    both = two.disagreeing(dict(zip(names, [build(changed), build(same)])))
+    assert sorted(both) == names[:2] and all("extra" in o.message for o in both.values())
+
+
+def test_workers_found_dead_are_dropped_and_the_next_sync_goes_on(actors: Any) -> None:
+    """Found dead by an in-trainer push, or dead between two syncs: the next sync names the
+    worker, says it was dropped, and the one after runs without it (never every sync)."""
+    trainer, workers = parties(actors, n=3)
+    with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=20) as ws:
+        ws.sync(version=1)
+        kill_and_wait(get(workers[2].pid.remote()))
+        with pytest.raises(Exception, match="worker-2") as pushed:
+            get(trainer.train_and_push.remote(2))
+        assert "next WeightSync.sync() or setup() drops" in str(pushed.value)
+        with pytest.raises(Exception, match="dropped dead worker\\(s\\) worker-2"):
+            ws.sync(version=3)
+        ws.sync(version=4)
+        assert sorted(ws.workers) == ["worker-0", "worker-1"]
+        kill_and_wait(get(workers[1].pid.remote()))  # dead between syncs
+        with pytest.raises(SyncError, match="dropped dead worker\\(s\\) worker-1") as between:
+            ws.sync(version=5)
+        assert between.value.dead == ["worker-1"]
+        ws.sync(version=6)
+        assert sorted(ws.workers) == ["worker-0"]
+        assert_workers_match(trainer, workers[:1])
+        # Another WeightSync sets the trainer up (without push): this one's next sync says who.
+        other = WeightSync(trainer, {"w0": workers[0]}, transport="direct", timeout_s=20)
+        other.setup()
+        with pytest.raises(SyncError, match=f"another WeightSync \\({other.label}\\)"):
+            ws.sync(version=7)
+        other.close()
+        ws.sync(version=8)
+        assert_workers_match(trainer, workers[:1])
+
+
+def test_an_abort_of_a_failed_sync_does_not_fail_the_next_one_in_the_session() -> None:
+    """A direct session goes on after a refused sync (its counters follow the sync's seq):
+    the abort word that sync left is stale for the next one, which moves every byte."""
+    trainer, worker = MixedModel(seed=0), MixedModel(seed=1)
+    sender = WeightSender(model=trainer)
+    manifest = sender.manifest(SyncSettings(timeout_s=20.0))
+    receiver = WeightReceiver(worker, name="w")
+    receiver.accept(manifest, timeout_s=20.0)
+    open_local(registry.get("direct"), sender, {"w": receiver})
+
+    def both(call: SyncCall) -> tuple[Any, Any]:
+        got: list[Any] = []
+
+        def receive() -> None:
+            try:
+                got.append(receiver.receive(call))
+            except Exception as exc:  # the test looks at it
+                got.append(exc)
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        try:
+            sent: Any = sender.send(call)
+        except Exception as exc:  # the test looks at it
+            sent = exc
+        thread.join(60)
+        assert not thread.is_alive()
+        return sent, got[0]
+
+    try:
+        assert not isinstance(both(SyncCall(seq=0, version=5))[1], Exception)
+        sent, got = both(SyncCall(seq=1, version=3))  # older than what it holds: refused, aborted
+        assert type(got).__name__ == "VersionError" and type(sent).__name__ == "PeerAborted"
+        sent, got = both(SyncCall(seq=2, version=6))
+        assert not isinstance(sent, Exception) and not isinstance(got, Exception), (sent, got)
+        assert receiver.status() == (6, "committed")
+        from tests.helpers import assert_bit_equal
+        from weightsync.core.sinks import module_tensors
+
+        want = dict(module_tensors(trainer))
+        for name, tensor in module_tensors(worker):
+            assert_bit_equal(tensor, want[name], name)
+    finally:
+        receiver.close_transports()
+        sender.close_transports()
