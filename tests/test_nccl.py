@@ -225,7 +225,10 @@ def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) 
         pt.packed_nccl_broadcast_producer(iter_model(3, "cuda"), Recording(), 0, post_iter, BUFFER, num_buffers)
     wire = sent(3)
     chunks = expected_chunks([t.numel() * t.element_size() for _, t in wire], BUFFER)
-    assert [c.numel() for c in recorded] == [
+    # Each chunk follows its size header; one more header ends the stream.
+    headers, data = recorded[0::2], recorded[1::2]
+    assert len(headers) == len(chunks) + 1
+    assert [c.numel() for c in data] == [
         sum(wire[i][1].numel() * wire[i][1].element_size() for i in c) for c in chunks
     ]
     collector = Collector()
