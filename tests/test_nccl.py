@@ -228,9 +228,7 @@ def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) 
     # Each chunk follows its size header; one more header ends the stream.
     headers, data = recorded[0::2], recorded[1::2]
     assert len(headers) == len(chunks) + 1
-    assert [c.numel() for c in data] == [
-        sum(wire[i][1].numel() * wire[i][1].element_size() for i in c) for c in chunks
-    ]
+    assert [c.numel() for c in data] == [sum(wire[i][1].numel() * wire[i][1].element_size() for i in c) for c in chunks]
     collector = Collector()
     pt.packed_nccl_broadcast_consumer(iter(metadata(3)), Feeding(), 0, collector, BUFFER, num_buffers, device)
     assert all(t.is_cuda for t in collector.tensors.values())
