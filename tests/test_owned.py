@@ -244,6 +244,8 @@ def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(
             assert_bit_equal(tensor, held[name], name)  # nothing moved to o1 either
         ws.sync(16)
         assert_synced(ranks, workers)
+        # Owner sends alone gather nothing: every rank sent from its own shards.
+        assert [get(r.walk_stats.remote())[0] for r in ranks] == [0, 0]
 
 
 def test_a_rank_killed_while_sending_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:
