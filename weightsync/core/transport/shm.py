@@ -109,7 +109,8 @@ def map_shm(handle: ShmHandle) -> torch.Tensor:
     except FileNotFoundError:
         raise ExportNotFound(
             f"shared-memory export {handle.path} (session {handle.session}) does not exist: "
-            "it was closed, or belongs to a previous session; run WeightSync.setup() again"
+            "it was closed, or belongs to a previous session: export it again (with a WeightSync, run "
+            "setup() again; with the packed IPC functions, have the producer send a new handle)"
         ) from None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
