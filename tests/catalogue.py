@@ -1,4 +1,4 @@
-"""Shared pieces of the issue-15 defect catalogue (tests/test_catalogue*.py): small models,
+"""Shared pieces of the defect catalogue (tests/test_catalogue*.py): small models,
 actor factories, fault injection (freeze, kill, wait until busy) and checks on SyncError's
 outcomes. Names from the new public API are looked up on ``weightsync`` when used, so one
 missing name fails only the tests that use it.

@@ -1,4 +1,4 @@
-"""The defect catalogue of issue 15, part one: sync behaviour (items 1-5) and peer faults.
+"""The defect catalogue, part one: sync behaviour (items 1-5) and peer faults.
 
 One test per behaviour item and per fault, against the public API; shared pieces live in
 ``tests/catalogue.py`` and part two (setup, settings, verification, shared memory,

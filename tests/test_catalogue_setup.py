@@ -1,4 +1,4 @@
-"""The defect catalogue of issue 15, part two: setup (item 6), settings (7), verification
+"""The defect catalogue, part two: setup (item 6), settings (7), verification
 (8), shared memory (9), concurrent syncs and sync after close.
 
 Part one (sync behaviour and peer faults) is ``tests/test_catalogue.py``; shared pieces live

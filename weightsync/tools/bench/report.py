@@ -77,8 +77,8 @@ def _find(cases: list[Case], size: str, prefix: str) -> Case | None:
 
 
 def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
-    """The issue-19 ratios of one size, each a limit's or baseline's time over the case's
-    time (above 100%: faster than it), from cases measured in this run."""
+    """The ratios of one size: each a limit's or baseline's time over the case's time
+    (above 100%: faster than it), from cases measured in this run."""
     lines = []
     copy = _find(cases, size, "raw limit: one copy")
     pairs = [
