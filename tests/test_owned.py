@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -26,6 +27,7 @@ from weightsync.core.owned_plan import OwnedLayout, plan, row_span
 from weightsync.core.wire import EndpointInfo
 from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
+from weightsync.core.wire.outcome import Status
 from weightsync.glue.actors import TrainerHost
 from weightsync.glue.ranks import RankSpec
 
@@ -131,6 +133,15 @@ class _Rank(TrainerHost):
         def hook(index: int) -> None:
             if index == bucket:
                 os._exit(1)
+
+        self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
+
+    def freeze_at_segment(self, bucket: int) -> None:
+        """Stop this process (SIGSTOP) once its segment of ``bucket`` is on its way."""
+
+        def hook(index: int) -> None:
+            if index == bucket:
+                os.kill(os.getpid(), signal.SIGSTOP)
 
         self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
 
@@ -246,6 +257,33 @@ def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(
         assert_synced(ranks, workers)
         # Owner sends alone gather nothing: every rank sent from its own shards.
         assert [get(r.walk_stats.remote())[0] for r in ranks] == [0, 0]
+
+
+def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
+    pid = get(ranks[1].pid.remote())
+    # The workers' calls start a little after the coordinator's: on a loaded machine a short
+    # timeout leaves too little grace between their deadline and the coordinator's.
+    ws = WeightSync(ranks, workers, transport="owners", buffer_bytes=BUFFER, timeout_s=10)
+    try:
+        ws.sync(17)
+        train(ranks, 1, seed=17)
+        get(ranks[1].freeze_at_segment.remote(2))
+        try:
+            with pytest.raises(SyncError) as failed:
+                ws.sync(18)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        err = failed.value
+        assert err.culprits == ["trainer-rank-1"], str(err)
+        assert err.outcomes["trainer-rank-1"].status is Status.TIMED_OUT
+        # A worker's commit waits on every rank's answer, so once the thawed rank answered
+        # (its group was aborted), no worker holds version 18: each keeps 17, dirty if written.
+        for handle in workers.values():
+            version, state = get(handle.ws_status.remote())
+            assert version == 17 and state in ("committed", "dirty"), (version, state)
+    finally:
+        ws.close()
 
 
 def test_a_rank_killed_while_sending_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:

@@ -286,7 +286,7 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
     if info is None:
         return f"no head recorded in {directory}; nothing to stop"
     if not signal_head(info, signal.SIGTERM):
-        (directory / "head.json").unlink()
+        (directory / "head.json").unlink(missing_ok=True)
         return f"the head recorded in {directory} (pid {info.pid}) is not running; record removed"
     deadline = time.monotonic() + timeout_s
     while head_running(info):
@@ -294,10 +294,10 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
             # Ray's fate sharing stops the node's processes when their supervisor dies.
             signal_head(info, signal.SIGKILL)
             time.sleep(1.0)
-            (directory / "head.json").unlink()
+            (directory / "head.json").unlink(missing_ok=True)
             return f"the head (pid {info.pid}) did not stop within {timeout_s:.0f}s of SIGTERM; killed it"
         time.sleep(0.2)
-    (directory / "head.json").unlink()
+    (directory / "head.json").unlink(missing_ok=True)
     return f"stopped the head (pid {info.pid}, {info.dashboard_url})"
 
 

@@ -142,16 +142,17 @@ class PackedGroup:
         self.in_flight.clear()
         self._agreement = ""
 
-    def abort(self) -> None:
-        """Before this sync's agreement: refuse in it (every rank stops, the group survives).
-        After a refused agreement: nothing moved, nothing to do. After bytes started to move:
-        abort the group, which fails every peer's pending operation at once."""
+    def abort(self, deadline: float | None = None) -> None:
+        """Before this sync's agreement: refuse in it (every rank stops, the group survives),
+        by ``deadline`` (default: the timeout from now). After a refused agreement: nothing
+        moved, nothing to do. After bytes started to move: abort the group, which fails every
+        peer's pending operation at once."""
         if self._agreement == "refused":
             return
         if self._agreement == "" and not self._broken:
             self._agreement = "refused"
             try:
-                self.comm.agree(True, self.deadlines.leader(time.monotonic()))
+                self.comm.agree(True, deadline if deadline is not None else self.deadlines.leader(time.monotonic()))
                 return
             except Exception as exc:  # noqa: BLE001 - already failing; the group is aborted below
                 log.warning("weightsync: %s could not refuse in the agreement (%s); aborting the group", self.me, exc)

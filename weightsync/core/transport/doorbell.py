@@ -18,6 +18,7 @@ directory.
 
 from __future__ import annotations
 
+import hmac
 import os
 import select
 import socket
@@ -80,7 +81,7 @@ class Doorbell:
                 self.ignored += 1
 
     def _genuine(self, data: bytes, ancillary: list[tuple[int, int, bytes]]) -> bool:
-        if data != self.key:
+        if not hmac.compare_digest(data, self.key):
             return False
         if not self._creds:
             return True

@@ -154,6 +154,8 @@ class GlooCommunicator:
         self._store = store
         self._flags = dist.PrefixStore(f"{group_name}/flags", store)
         self._store_gone = False
+        self._aborted_by: int | None = None
+        self._probe: threading.Thread | None = None
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
@@ -167,18 +169,25 @@ class GlooCommunicator:
         return self._pg
 
     def aborted_by(self) -> int | None:
-        """The rank that wrote this group's abort word, or None (also when the store is gone:
-        its host, rank 0, is then dead, which fails every operation with it anyway)."""
-        if self._store_gone:
-            return None
+        """The rank that wrote this group's abort word, as last seen, or None (also when the
+        store is gone: its host, rank 0, is then dead, which fails every operation with it
+        anyway). Never blocks: the store is asked on a thread of its own, one question at a
+        time, so a store whose host is frozen cannot hold a wait past its deadline."""
+        if self._aborted_by is not None or self._store_gone:
+            return self._aborted_by
+        probe = self._probe
+        if probe is None or not probe.is_alive():
+            self._probe = threading.Thread(target=self._look, name=f"weightsync-gloo-probe-{self.rank}", daemon=True)
+            self._probe.start()
+        return self._aborted_by
+
+    def _look(self) -> None:
         try:
-            if not self._flags.check([_ABORT_KEY]):
-                return None
-            return int(self._flags.get(_ABORT_KEY))
+            if self._flags.check([_ABORT_KEY]):
+                self._aborted_by = int(self._flags.get(_ABORT_KEY))
         except Exception as exc:  # noqa: BLE001 - the store's host died; stop asking it
             log.debug("weightsync: rank %d: the group's store stopped answering: %s", self.rank, exc)
             self._store_gone = True
-            return None
 
     def _work(self, work: dist.Work) -> _GlooWork:
         return _GlooWork(work, self.rank, self._timeout_s, self.aborted_by)
@@ -208,13 +217,17 @@ class GlooCommunicator:
         if pg is None:
             return
         if not self._store_gone:
-            try:
-                self._flags.set(_ABORT_KEY, str(self.rank))
-            except Exception as exc:  # noqa: BLE001 - the store's host died; its sockets tell the peers
-                log.debug("weightsync: rank %d could not write the abort word: %s", self.rank, exc)
+            # On a thread of its own: a store whose host is frozen must not hold the abort.
+            threading.Thread(target=self._tell, name=f"weightsync-gloo-tell-{self.rank}", daemon=True).start()
         # Not a daemon: the interpreter waits for it at exit (a group destroyed while Python
         # finalizes aborts the process), at most gloo's timeout, as a synchronous drop would.
         threading.Thread(target=_release, args=(pg,), name=f"weightsync-gloo-abort-{self.rank}").start()
+
+    def _tell(self) -> None:
+        try:
+            self._flags.set(_ABORT_KEY, str(self.rank))
+        except Exception as exc:  # noqa: BLE001 - the store's host died; its sockets tell the peers
+            log.debug("weightsync: rank %d could not write the abort word: %s", self.rank, exc)
 
     def close(self) -> None:
         pg, self._pg = self._pg, None

@@ -1,28 +1,21 @@
 """Owner sends: each trainer rank broadcasts only the bytes it owns, in a group of its own.
 
 The halves of the ``owners`` transport (plug-in: :mod:`weightsync.core.plugins.owned`;
-plan: :mod:`weightsync.core.owned_plan`). Rank ``r`` of a sharded trainer is rank 0 of
-group ``r``, whose other ranks are the transport's workers; there are R such groups. Per
-sync, on every party at once::
+plan: :mod:`weightsync.core.owned_plan`; the whole story: docs/owner-sends.md). Rank ``r``
+is rank 0 of group ``r``, whose other ranks are the workers. Per sync, at once::
 
-    OwnedSender.send     (rank r)   agree in group r; per bucket: pack rank r's segment
-                                    (its local rows, cast to the wire dtype) into one of
-                                    num_buffers rotating buffers, broadcast it; drain
+    OwnedSender.send     (rank r)   agree in group r; per bucket: pack its segment (its own
+                                    rows, cast to the wire dtype) into one of the rotating
+                                    buffers and broadcast it, then its large pieces in place
     OwnedReceiver.receive (worker)  agree in groups 0..R-1 in order; per bucket: post the
-                                    R segments' receives (num_buffers buckets ahead), wait,
-                                    copy every piece into the destination's rows
+                                    R groups' receives (buffers ahead), wait, put every
+                                    piece into the destination's rows
 
-No rank gathers anything, and each rank sends about 1/R of the model. A sender reads its
-rank's own tensors (``Sources.local``: DTensors as they are held), never a gathered walk,
-so a sharded source makes no walk for it.
-
-Failures, per group, as the broadcast transport handles one group: before a group's
-agreement a party that fails refuses in it (nothing moved, the group survives); after it,
-the group is aborted, which fails every pending operation of its peers at once. A worker
-that fails aborts or refuses in *every* group, so each rank learns of it in its own group.
-A worker blames the rank of the group that failed; a rank blames its group's workers. A
-worker cannot tell from its receives that every rank finished, so it commits only once
-every rank's answer is known (the coordinator chains the commit on all of them).
+A sender reads its rank's own tensors (``Sources.local``), never a gathered walk. Failures,
+per group, as broadcast handles its one group: before the agreement a failing party refuses
+(nothing moved), after it the group is aborted; a failing worker refuses or aborts in every
+group. A worker blames the rank of the group that failed, a rank its group's workers; a
+worker commits only once every rank's answer is known (the commit is chained on all).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from weightsync.core.owned_plan import Bucket, OwnedLayout, Piece, Segment, plan
 from weightsync.core.packing import as_bytes, byte_checksum, contiguous_checksum
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.transport.broadcast import Communicator, PackedGroup, Work
-from weightsync.core.wire.errors import TransferError, TransferTimeout, WeightSyncError
+from weightsync.core.wire.errors import PeerAborted, TransferError, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 
@@ -49,8 +42,12 @@ _Posted = tuple[int, "Work", "Piece | None", "torch.Tensor | None"]
 
 
 def _rebrand(exc: WeightSyncError, blames: Sequence[str], where: str) -> WeightSyncError:
-    """``exc`` (a group's failure, which cannot name the party behind it) blaming ``blames``."""
-    cls = TransferTimeout if isinstance(exc, TransferTimeout) else TransferError
+    """``exc`` (a group's failure, which cannot name the party behind it) blaming ``blames``,
+    of the same kind (a timeout stays a timeout, a peer's abort a peer's abort)."""
+    cls: type[WeightSyncError] = TransferError
+    for kind in (TransferTimeout, PeerAborted):
+        if isinstance(exc, kind):
+            cls = kind
     return cls(f"{where}: {exc}", blames=blames)
 
 
@@ -69,6 +66,8 @@ class OwnedSender(SendHalf):
         if not 0 <= rank < layout.ranks:
             raise WeightSyncError(f"{session.party}: owner rank {rank} out of range for {layout.ranks} rank(s)")
         self.group = PackedGroup(comm, session, members)
+        #: Buffers in rotation: ``num_buffers``, never more than the group's streams allow.
+        self.nbuf = self.group.nbuf
         self.manifest = session.manifest
         self.layout = layout
         self.rank = rank
@@ -92,9 +91,7 @@ class OwnedSender(SendHalf):
         if not self._buffers:
             size = max((s.nbytes for s in self.segments), default=0)
             device = self.group.comm.device
-            self._buffers = [
-                torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.manifest.agreed.num_buffers)
-            ]
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.nbuf)]
         return self._buffers
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
@@ -105,7 +102,7 @@ class OwnedSender(SendHalf):
             if exc.blames:
                 raise
             raise _rebrand(exc, self.peers, f"{group.me}: the agreement of its owner group") from exc
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads (a cast copy, maybe).
         alone: deque[tuple[Work, torch.Tensor]] = deque()
@@ -187,7 +184,7 @@ class OwnedSender(SendHalf):
         when the shard is strided or of another dtype, alive until its broadcast completed)."""
         group = self.group
         spec = self.manifest.specs[piece.index]
-        lane = self.manifest.agreed.num_buffers
+        lane = group.lane
         with group.streams.use(lane), torch.no_grad():
             group.streams.wait_for(lane, caller)
             wire = self._rows(piece, local).to(device=group.comm.device, dtype=spec.torch_dtype).contiguous()
@@ -223,6 +220,9 @@ class OwnedReceiver(ReceiveHalf):
         if len(comms) != layout.ranks:
             raise WeightSyncError(f"{session.party}: {len(comms)} owner group(s) for {layout.ranks} trainer rank(s)")
         self.groups = [PackedGroup(comm, session, members[r]) for r, comm in enumerate(comms)]
+        self.nbuf = self.groups[0].nbuf  # the same manifest, so the same for every group
+        #: This sync's deadline, which an abort's refusals in the other groups keep to.
+        self._deadline: float | None = None
         self.session = session
         self.manifest = session.manifest
         self.layout = layout
@@ -236,7 +236,7 @@ class OwnedReceiver(ReceiveHalf):
     def buffers(self) -> list[list[torch.Tensor]]:
         """Per rank, ``num_buffers`` buffers as large as that rank's largest segment."""
         if not self._buffers:
-            nbuf = self.manifest.agreed.num_buffers
+            nbuf = self.nbuf
             for r, group in enumerate(self.groups):
                 size = max((b.segments[r].nbytes for b in self.buckets), default=0)
                 self._buffers.append(
@@ -244,8 +244,11 @@ class OwnedReceiver(ReceiveHalf):
                 )
         return self._buffers
 
+    def start(self, call: SyncCall) -> None:
+        self._deadline = self.session.deadlines.follower(time.monotonic())
+
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
-        deadline = self.session.deadlines.follower(time.monotonic())
+        deadline = self._deadline or self.session.deadlines.follower(time.monotonic())
         destinations = sink.destinations(self.manifest)
         for group in self.groups:
             try:
@@ -274,7 +277,7 @@ class OwnedReceiver(ReceiveHalf):
         deadline: float,
         checksums: list[list[int]],
     ) -> None:
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.nbuf
         buffers = self.buffers()
         posted: dict[int, list[_Posted]] = {}
         for b in range(min(nbuf, len(self.buckets))):
@@ -286,6 +289,8 @@ class OwnedReceiver(ReceiveHalf):
                 try:
                     work.wait(deadline)
                 except WeightSyncError as exc:
+                    if exc.blames:
+                        raise
                     where = f"{group.me}: bucket {b} from {group.members[0]}"
                     raise _rebrand(exc, [group.members[0]], where) from exc
                 if piece is None:
@@ -323,7 +328,7 @@ class OwnedReceiver(ReceiveHalf):
 
     def _post(self, b: int, destinations: list[torch.Tensor | None]) -> list[_Posted]:
         """Post every group's receives of bucket ``b``, in each group's order."""
-        nbuf = self.manifest.agreed.num_buffers
+        nbuf = self.nbuf
         buffers = self.buffers()
         entries: list[_Posted] = []
         for r, group in enumerate(self.groups):
@@ -387,8 +392,10 @@ class OwnedReceiver(ReceiveHalf):
         rows.copy_(source[: piece.nbytes])
 
     def abort(self) -> None:
+        """Refuse, or abort, in every group, each by this sync's deadline: a rank that is
+        stuck before its group's agreement must not hold the refusals for a fresh timeout."""
         for group in self.groups:
-            group.abort()
+            group.abort(self._deadline)
 
     def close(self, abort: bool = False) -> None:
         self._buffers = []

@@ -22,7 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from weightsync.core.wire.errors import ForeignPath
+from weightsync.core.wire.errors import ForeignPath, SettingsError
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "weightsync-"
@@ -45,7 +45,7 @@ def current_scope() -> str:
     """This process's region scope: ``$WEIGHTSYNC_SHM_SCOPE``, or ``0`` when unset."""
     scope = os.environ.get(SCOPE_ENV, "") or DEFAULT_SCOPE
     if not _SCOPE.match(scope):
-        raise ValueError(f"{SCOPE_ENV}={scope!r} is not a region scope: use 1 to 32 letters or digits (or unset it)")
+        raise SettingsError(f"{SCOPE_ENV}={scope!r} is not a region scope: use 1 to 32 letters or digits (or unset it)")
     return scope
 
 
@@ -61,7 +61,7 @@ class SegmentName:
 
     def __post_init__(self) -> None:
         if not _TAG.match(self.tag):
-            raise ValueError(f"region tag {self.tag!r} must be 1 to 16 lowercase letters or digits")
+            raise SettingsError(f"region tag {self.tag!r} must be 1 to 16 lowercase letters or digits")
 
     @classmethod
     def fresh(cls, tag: str) -> SegmentName:
