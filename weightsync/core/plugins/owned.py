@@ -56,6 +56,9 @@ def open_owned(opening: Opening) -> None:
     if backend == "nccl":
         ids.update(opening.step({r: Request(action="nccl id") for r in ranks}, "making the owner groups' NCCL ids"))
 
+    # Each group's key prefix in its store: unguessable, as for broadcast.
+    tags = [secrets.token_hex(16) for _ in ranks]
+
     def spec(r: int, rank: int) -> GroupSpec:
         host, port = stores[ranks[r]]
         parties = (ranks[r], *members)
@@ -71,8 +74,6 @@ def open_owned(opening: Opening) -> None:
             members=(ranks[r], *members),
         )
 
-    # Each group's key prefix in its store: unguessable, as for broadcast.
-    tags = [secrets.token_hex(16) for _ in ranks]
     requests = {name: Request(action="join", args=(spec(r, 0), layout, r)) for r, name in enumerate(ranks)}
     for w, name in enumerate(members, start=1):
         requests[name] = Request(action="join", args=(tuple(spec(r, w) for r in range(len(ranks))), layout))
