@@ -36,7 +36,9 @@ def plan_buckets(nbytes: Sequence[int], budget: int) -> list[range]:
     return buckets
 
 
-def _fast(t: DTensor) -> bool:
+def row_or_replicated(t: DTensor) -> bool:
+    """``Shard(0)`` or ``Replicate`` over a 1-D mesh: gathered with async collectives here,
+    and sendable by its owners (:mod:`weightsync.core.owned_plan`)."""
     return t.device_mesh.ndim == 1 and tuple(t.placements) in ((Shard(0),), (Replicate(),))
 
 
@@ -183,7 +185,7 @@ def gather_bucket(tensors: Sequence[torch.Tensor], indices: range, wait: Wait) -
             t = tensors[i]
             if not isinstance(t, DTensor):
                 out[i] = t.detach()
-            elif not _fast(t):
+            elif not row_or_replicated(t):
                 out[i] = t.full_tensor()
             elif t.placements[0] == Replicate():
                 out[i] = t.to_local().detach()

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from weightsync.core.gathering import plan_buckets
+from weightsync.core.gathering import plan_buckets, row_or_replicated
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 
@@ -139,7 +139,7 @@ def layout_of(party: str, named: Sequence[tuple[str, torch.Tensor]], ranks: int,
         if not isinstance(t, DTensor):
             rows.append(False)
             continue
-        if t.device_mesh.ndim != 1 or tuple(t.placements) not in ((Shard(0),), (Replicate(),)):
+        if not row_or_replicated(t):
             raise SettingsError(
                 f"{party}: {name} is laid out as {tuple(t.placements)} over a {t.device_mesh.ndim}-D mesh; "
                 "owner sends take Shard(0) over a 1-D mesh, Replicate or plain tensors: use "
