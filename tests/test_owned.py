@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 from collections.abc import Iterator
 from functools import partial
@@ -22,11 +21,7 @@ from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
 from weightsync import WeightSync, WorkerActor
-from weightsync.core.choice import choose_transport
-from weightsync.core.owned_plan import OwnedLayout, plan, row_span
-from weightsync.core.wire import EndpointInfo
-from weightsync.core.wire.errors import SettingsError, SetupError, SyncError
-from weightsync.core.wire.manifest import Manifest, TensorSpec
+from weightsync.core.wire.errors import SetupError, SyncError
 from weightsync.core.wire.outcome import Status
 from weightsync.glue.actors import TrainerHost
 from weightsync.glue.ranks import RankSpec
@@ -37,90 +32,6 @@ BUFFER = 128 * 1024
 
 def get(ref: Any) -> Any:
     return ray.get(ref, timeout=RAY_TIMEOUT)
-
-
-# --- the plan (no Ray) ----------------------------------------------------------------------
-
-
-def _manifest(shapes: list[tuple[int, ...]], buffer_bytes: int = 4096, inplace_bytes: int = 0) -> Manifest:
-    specs = [TensorSpec(f"t{i}", shape, "float32") for i, shape in enumerate(shapes)]
-    return Manifest.build(specs, buffer_bytes=buffer_bytes, num_buffers=2, inplace_bytes=inplace_bytes)
-
-
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-@pytest.mark.parametrize("inplace_bytes", [0, 64])
-def test_the_plan_sends_every_byte_once_from_its_owner_at_aligned_offsets(ranks: int, inplace_bytes: int) -> None:
-    rng = random.Random(ranks)
-    shapes = [tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 3))) for _ in range(40)] + [(1000, 3)]
-    manifest = _manifest(shapes, inplace_bytes=inplace_bytes)
-    rows = tuple(bool(s) and rng.random() < 0.7 for s in shapes)
-    buckets = plan(manifest, OwnedLayout(ranks=ranks, rows=rows))
-    assert [i for b in buckets for i in b.indices] == list(range(len(shapes)))
-    seen: dict[int, list[tuple[int, int, int]]] = {}
-    for bucket in buckets:
-        assert len(bucket.segments) == ranks
-        for r, segment in enumerate(bucket.segments):
-            end = 0
-            for piece in segment.pieces:
-                assert piece.index in bucket.indices
-                assert piece.offset % manifest.agreed.alignment == 0 and piece.offset >= end
-                end = piece.offset + piece.nbytes
-                seen.setdefault(piece.index, []).append((r, piece.start, piece.stop))
-            assert segment.nbytes == end
-            for piece in bucket.inplace[r]:
-                assert piece.index in bucket.indices and piece.offset == 0 and piece.nbytes >= inplace_bytes > 0
-                seen.setdefault(piece.index, []).append((r, piece.start, piece.stop))
-    if inplace_bytes:
-        assert any(b.inplace[r] for b in buckets for r in range(ranks))  # the (1000, 3) tensor at least
-    for i, spec in enumerate(manifest.specs):
-        n = spec.shape[0] if spec.shape else 1
-        pieces = sorted(seen.get(i, []), key=lambda p: p[1])
-        if spec.nbytes == 0:
-            assert len(pieces) == 1, spec  # handed over even though it holds no bytes
-            continue
-        assert [(a, b) for _, a, b in pieces if b > a] == [(a, b) for a, b in _cover(n, ranks if rows[i] else 1)], spec
-        for r, a, b in pieces:
-            if rows[i]:
-                assert (a, b) == row_span(n, ranks, r)
-            else:
-                assert r == i % ranks
-
-
-def _cover(n: int, parts: int) -> list[tuple[int, int]]:
-    spans = [row_span(n, parts, r) for r in range(parts)]
-    return [s for s in spans if s[1] > s[0]]
-
-
-def test_the_plan_refuses_a_layout_of_another_model() -> None:
-    with pytest.raises(SettingsError, match="2 tensor"):
-        plan(_manifest([(4,), (5,), (6,)]), OwnedLayout(ranks=2, rows=(True, False)))
-    with pytest.raises(SettingsError, match="ranks"):
-        OwnedLayout(ranks=0, rows=())
-
-
-def _info(node: str, shards: str = "none") -> EndpointInfo:
-    return EndpointInfo(
-        node_id=node,
-        node_ip="127.0.0.1",
-        hostname=node,
-        pid=1,
-        device="cpu",
-        gpu_uuid=None,
-        sink_allows_direct=True,
-        shards=shards,
-    )
-
-
-def test_auto_picks_owner_sends_only_for_a_trainer_whose_ranks_can_send_what_they_hold() -> None:
-    worker = _info("n2")
-    assert choose_transport(_info("n1", "owned"), worker, "auto", "w") == "owners"
-    assert choose_transport(_info("n1", "other"), worker, "auto", "w") == "broadcast"
-    assert choose_transport(_info("n1"), worker, "auto", "w") == "broadcast"
-    assert choose_transport(_info("n2", "owned"), worker, "auto", "w") == "direct"  # colocated first
-    with pytest.raises(SettingsError, match="not sharded"):
-        choose_transport(_info("n1"), worker, "owners", "w")
-    with pytest.raises(SettingsError, match="Shard"):
-        choose_transport(_info("n1", "other"), worker, "owners", "w")
 
 
 # --- through Ray, with FSDP2 ranks ----------------------------------------------------------
@@ -144,6 +55,15 @@ class _Rank(TrainerHost):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
         self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
+
+    def freeze_before_writing(self, worker: str) -> None:
+        """Stop this process (SIGSTOP) just before it writes its part into ``worker``."""
+
+        def hook(name: str) -> None:
+            if name == worker:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        self._ws().halves["owner-writes"].on_write = hook  # type: ignore[attr-defined]
 
     def walk_stats(self) -> tuple[int, int, int]:
         """The last sync's buckets gathered, the buckets of one pass over the model, and the
@@ -236,6 +156,63 @@ def test_a_rank_writes_all_its_direct_workers_from_one_gather(two: dict[str, Any
         assert_synced(ranks, workers)
         gathered, _, _ = get(ranks[0].walk_stats.remote())
         assert gathered == 2 * buckets  # verify: one more, for the checksums every half reuses
+
+
+def _move(name: str, model: Any) -> None:
+    """Give parameter ``name`` new storage, as a reload would."""
+    param = model.get_parameter(name)
+    param.data = param.data.clone()
+
+
+def test_every_rank_writes_its_rows_into_colocated_workers_with_no_gather(two: dict[str, Any]) -> None:
+    ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("d0", "o0", "i1")}
+    transport = {"d0": "auto", "o0": "auto", "i1": "ipc"}
+    with WeightSync(ranks, workers, transport=transport, worker_ranks={"i1": 1}, timeout_s=30) as ws:
+        assert ws.transports() == {"d0": "owner-writes", "o0": "owner-writes", "i1": "ipc"}
+        for version in (7, 8):
+            train(ranks, 1, seed=version)
+            report = ws.sync(version, verify=version == 8)
+            assert report.transports == {"owner-writes": 2, "ipc": 1}
+            assert_synced(ranks, workers)
+    mine = {n: workers[n] for n in ("d0", "o0")}
+    with WeightSync(ranks, mine, timeout_s=30) as ws:
+        train(ranks, 1, seed=9)
+        ws.sync(9)
+        assert_synced(ranks, mine)
+        # Every rank wrote from its own shards: nothing was gathered.
+        assert [get(r.walk_stats.remote())[0] for r in ranks] == [0, 0]
+        # A worker whose tensor got new storage is exported again, and every rank maps it anew.
+        get(mine["d0"].call.remote(partial(_move, "blocks.0.0.weight")))
+        train(ranks, 1, seed=10)
+        report = ws.sync(10)
+        assert {w.version for w in report.workers} == {10}
+        assert_synced(ranks, mine)
+
+
+def test_a_rank_frozen_before_writing_is_named_and_writes_nothing_late(two: dict[str, Any]) -> None:
+    ranks, worker = two["ranks"], two["workers"]["d0"]
+    pid = get(ranks[1].pid.remote())
+    ws = WeightSync(ranks, {"d0": worker}, transport="owner-writes", timeout_s=10)
+    try:
+        ws.sync(35)
+        train(ranks, 1, seed=36)
+        get(ranks[1].freeze_before_writing.remote("d0"))
+        try:
+            with pytest.raises(SyncError) as failed:
+                ws.sync(36)
+            err = failed.value
+            held = get(worker.call.remote(fm.state))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert err.culprits == ["trainer-rank-1"], str(err)
+        assert err.outcomes["trainer-rank-1"].status is Status.TIMED_OUT
+        version, state = get(worker.ws_status.remote())
+        assert version == 35 and state in ("committed", "dirty"), (version, state)
+        get(ranks[1].pid.remote())  # the thawed rank has answered
+        for name, tensor in get(worker.call.remote(fm.state)).items():
+            assert_bit_equal(tensor, held[name], f"{name} written after the worker gave up")
+    finally:
+        ws.close()
 
 
 def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(two: dict[str, Any]) -> None:

@@ -77,8 +77,9 @@ def test_the_builtins_declare_their_commit_rule_and_order() -> None:
     by_name = {t.name: t for t in registry.transports()}
     assert [n for n in by_name if n in ("broadcast", "ipc", "direct")] == ["broadcast", "ipc", "direct"]
     assert not by_name["broadcast"].commits_alone and by_name["ipc"].commits_alone and by_name["direct"].commits_alone
-    assert not by_name["owners"].commits_alone
-    assert [t.name for t in registry.auto_candidates()][:4] == ["direct", "ipc", "owners", "broadcast"]
+    assert not by_name["owners"].commits_alone and by_name["owner-writes"].commits_alone
+    auto = [t.name for t in registry.auto_candidates()][:5]
+    assert auto == ["owner-writes", "direct", "ipc", "owners", "broadcast"]
 
 
 def test_one_policy_judges_every_failure_the_same_way() -> None:

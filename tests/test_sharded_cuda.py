@@ -7,8 +7,9 @@ classes in ProcessGroupGloo). Training would add FSDP2's reduce-scatter, which g
 an all-reduce; the test changes the shards directly instead, each rank its own part, so
 only the collectives weightsync itself issues are exercised.
 
-Marked ``cuda``: skipped without a GPU. Rank 0 writes an ipc worker, rank 1 a direct one
-(CUDA IPC between actors at a quarter GPU each).
+Marked ``cuda``: skipped without a GPU. Rank 0 writes an ipc worker, rank 1 a direct one,
+and both ranks write their own rows into a third (owner writes; CUDA IPC between actors at
+a fifth of the GPU each).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def shard_devices(model: torch.nn.Module) -> set[str]:
     }
 
 
-def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_and_direct_workers(actors: ActorPool) -> None:
-    opts = {"num_cpus": 0, "num_gpus": 0.25}
+def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_direct_and_owner_write_workers(actors: ActorPool) -> None:
+    opts = {"num_cpus": 0, "num_gpus": 0.2}
     # Both ranks see the one GPU as device 0: LOCAL_RANK must not point DeviceMesh elsewhere.
     specs = [replace(spec, local_rank=0) for spec in RankSpec.group(2)]
     ranks = [
@@ -54,13 +55,13 @@ def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_and_direct_workers(actors: A
         for spec in specs
     ]
     worker = partial(fm.plain_lm, **SHAPE)
-    workers = {name: actors.add(WorkerActor.options(**opts).remote(worker, device="cuda")) for name in ("i0", "d1")}
+    workers = {name: actors.add(WorkerActor.options(**opts).remote(worker, device="cuda")) for name in ("i0", "d1", "w2")}
     assert get(ranks[0].call.remote(shard_devices)) == {"DTensor:cuda"}
-    transports = {"i0": "ipc", "d1": "direct"}
+    transports = {"i0": "ipc", "d1": "direct", "w2": "auto"}
     with WeightSync(
         ranks, workers, transport=transports, worker_ranks={"d1": 1}, buffer_bytes=BUFFER, timeout_s=60
     ) as ws:
-        assert ws.transports() == transports
+        assert ws.transports() == {**transports, "w2": "owner-writes"}
         assert len(ws.manifest.chunks) > 2  # type: ignore[union-attr]  # several buckets per walk
         for version in (1, 2):
             get([r.call.remote(fm.perturb_shards, version) for r in ranks])

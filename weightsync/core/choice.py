@@ -10,7 +10,10 @@ instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from weightsync.core import registry
+from weightsync.core.transport.plugin import Serving, Transport
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
 
@@ -28,18 +31,36 @@ def check_request(requested: object, name: str) -> str:
     return requested  # type: ignore[return-value]
 
 
-def choose_transport(trainer: EndpointInfo, worker: EndpointInfo, requested: str, name: str) -> str:
-    """The transport for worker ``name``, given what was requested for it."""
+def _why_not(
+    transport: Transport, trainer: EndpointInfo, every: Sequence[EndpointInfo], worker: EndpointInfo, name: str
+) -> str | None:
+    """Why ``transport`` cannot serve ``worker``: checked against ``trainer``, or, for a
+    transport every rank serves at once, against each of ``every`` (the ranks in order)."""
+    if transport.serving is not Serving.EVERY or len(every) < 2:
+        return transport.fits(trainer, worker, name)
+    for rank, info in enumerate(every):
+        why = transport.fits(info, worker, name)
+        if why is not None:
+            return f"(trainer rank {rank}) {why}"
+    return None
+
+
+def choose_transport(
+    trainer: EndpointInfo, worker: EndpointInfo, requested: str, name: str, every: Sequence[EndpointInfo] = ()
+) -> str:
+    """The transport for worker ``name``, given what was requested for it. ``trainer``: the
+    trainer party that would serve it alone; ``every``: all the trainer's ranks (for the
+    transports that every rank serves)."""
     check_request(requested, name)
     if requested == "auto":
         reasons = []
         for candidate in registry.auto_candidates():
-            why = candidate.fits(trainer, worker, name)
+            why = _why_not(candidate, trainer, every, worker, name)
             if why is None:
                 return candidate.name
             reasons.append(f"{candidate.name}: {why}")
         raise SettingsError(f"{name}: no transport can serve it ({'; '.join(reasons)})")
-    why = registry.get(requested).fits(trainer, worker, name)
+    why = _why_not(registry.get(requested), trainer, every, worker, name)
     if why is not None:
         raise SettingsError(f"{name}: {why}")
     return requested

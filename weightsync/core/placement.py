@@ -31,13 +31,16 @@ def where(info: EndpointInfo) -> str:
     return f"node {info.node_id[:8] or info.hostname} {info.device}{' ' + info.gpu_uuid if info.gpu_uuid else ''}"
 
 
-def colocated_or_why(trainer: EndpointInfo, worker: EndpointInfo, name: str, transport: str) -> str | None:
-    """None when ``worker`` shares the trainer's device; else why ``transport`` cannot serve it."""
+def colocated_or_why(
+    trainer: EndpointInfo, worker: EndpointInfo, name: str, transport: str, instead: str = "broadcast"
+) -> str | None:
+    """None when ``worker`` shares the trainer's device; else why ``transport`` cannot serve
+    it, suggesting ``instead``."""
     if same_device(trainer, worker):
         return None
     return (
         f"transport {transport!r} needs the worker on the trainer's device (trainer: {where(trainer)}; "
-        f"{name}: {where(worker)}); use transport='broadcast' for it"
+        f"{name}: {where(worker)}); use transport={instead!r} for it"
     )
 
 

@@ -136,7 +136,7 @@ class TrainerRanks:
             near = [r for r, rank_info in enumerate(infos) if same_device(rank_info, info)]
             lead_only = requested != "auto" and registry.get(requested).serving is not Serving.NEAREST
             rank = near[0] if near and not lead_only else 0
-        transport = choose_transport(infos[rank], info, requested, worker)
+        transport = choose_transport(infos[rank], info, requested, worker, infos)
         serving = registry.get(transport).serving
         if serving is Serving.EVERY:
             return 0, transport  # every rank serves it; rank 0 stands for them in its Session

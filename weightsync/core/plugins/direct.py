@@ -15,6 +15,8 @@ finished.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
 from weightsync.core.transport.direct import DirectTarget, DirectWriter
 from weightsync.core.transport.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
@@ -39,27 +41,41 @@ def _map(side: TrainerSide, exports: tuple[DirectExport, ...]) -> None:
         writer.map(export)
 
 
-def _export(side: WorkerSide) -> DirectExport:
+def export_target(
+    side: WorkerSide, kind: str, make: Callable[[], DirectTarget], fits: Callable[[DirectTarget], bool]
+) -> DirectExport:
+    """The worker's export for a transport of direct writes (``kind``): the target it holds
+    when ``fits`` accepts it, else a new one from ``make``; refused for a sink that
+    transforms tensors on load."""
     session = side.session
     tensors = side.sink.direct_tensors(session.manifest)
     if tensors is None:
         raise WeightSyncError(
             f"{session.party}: its sink ({type(side.sink).__name__}) transforms tensors on load "
-            "and cannot take direct writes; use transport='ipc' for this worker"
+            f"and cannot take {kind} writes; use transport='ipc' for this worker"
         )
     with side.gate:
-        target = side.half("direct")
-        if not isinstance(target, DirectTarget):
-            target = DirectTarget(session, side.device)
+        target = side.half(kind)
+        if not isinstance(target, DirectTarget) or not fits(target):
+            target = make()
             side.install(target)
         return target.export(tensors, side.sink.rebind)
 
 
-def _seal(side: WorkerSide) -> None:
-    target = side.half("direct")
+def seal_target(side: WorkerSide, kind: str) -> None:
+    """Once every writer mapped the export: unlink its shared-memory names."""
+    target = side.half(kind)
     if not isinstance(target, DirectTarget):
-        raise WeightSyncError(f"{side.session.party}: no direct export to seal; the export step did not run")
+        raise WeightSyncError(f"{side.session.party}: no {kind} export to seal; the export step did not run")
     target.seal()
+
+
+def _export(side: WorkerSide) -> DirectExport:
+    return export_target(side, "direct", lambda: DirectTarget(side.session, side.device), lambda _: True)
+
+
+def _seal(side: WorkerSide) -> None:
+    seal_target(side, "direct")
 
 
 def fits(trainer: EndpointInfo, worker: EndpointInfo, name: str) -> str | None:

@@ -34,17 +34,25 @@ from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo, GroupSpec
 
 
-def open_owned(opening: Opening) -> None:
-    ranks, members = opening.servers, opening.members
+def agreed_layout(opening: Opening, instead: str) -> OwnedLayout:
+    """Every rank's :class:`OwnedLayout` (action ``placements``), refused unless all agree and
+    the ranks are the mesh's, in rank order; ``instead``: the transport to suggest."""
+    ranks = opening.servers
     laid = opening.step({r: Request(action="placements") for r in ranks}, "describing what each rank holds")
     layout: OwnedLayout = laid[ranks[0]]
     odd = [r for r in ranks if laid[r] != layout]
     if odd or layout.ranks != len(ranks):
         raise SettingsError(
-            f"owners: {', '.join(odd) or ranks[0]} hold(s) the model differently from {ranks[0]} "
+            f"{', '.join(odd) or ranks[0]} hold(s) the model differently from {ranks[0]} "
             f"({layout.ranks} mesh rank(s) for {len(ranks)} trainer rank(s)): every rank must be one rank of one "
-            "mesh, in rank order; use transport='broadcast' (it gathers)"
+            f"mesh, in rank order; use transport={instead!r} (it gathers)"
         )
+    return layout
+
+
+def open_owned(opening: Opening) -> None:
+    ranks, members = opening.servers, opening.members
+    layout = agreed_layout(opening, "broadcast")
     world = len(members) + 1
     backend = opening.options.get("backend") or ("nccl" if opening.info(ranks[0]).device == "cuda" else "gloo")
     listen = {r: addresses(opening, r) for r in ranks}
@@ -80,7 +88,7 @@ def open_owned(opening: Opening) -> None:
     opening.step(requests, "forming the owner groups")
 
 
-def _placements(side: TrainerSide) -> OwnedLayout:
+def placements(side: TrainerSide) -> OwnedLayout:
     if not isinstance(side, ShardedSender):
         raise SettingsError(
             f"{side.session.party}: owner sends need the ranks of a sharded (DTensor) trainer, and this one holds "
@@ -121,7 +129,7 @@ OWNERS = Transport(
     name=KIND,
     open=open_owned,
     trainer_actions={
-        "placements": _placements,
+        "placements": placements,
         "store": rendezvous_store,
         "nccl id": nccl_unique_id,
         "join": _join_trainer,

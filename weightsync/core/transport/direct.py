@@ -32,13 +32,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, cast
 
 import torch
 
 from weightsync.core.packing import read_checksums, tensor_checksums, typed_view, word_sum
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
-from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, plan_key
-from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
+from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
+from weightsync.core.transport.control import ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
 from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
@@ -48,10 +49,22 @@ from weightsync.core.wire.session import Session
 
 Rebind = Callable[[int, torch.Tensor], None]
 
-# Control words: the target's announcement (seq + 1 when ready, -(seq + 1) when stale), the
-# writer's completion (seq + 1), each side's pid, then one checksum per tensor (verify).
-_ANNOUNCED, _WRITTEN, _TARGET_PID, _WRITER_PID, _FIRST_CHECKSUM = range(5)
-_CODE = worker_code(0)
+# Control words: the target's announcement (seq + 1 when ready, -(seq + 1) when stale) and
+# pid, then per writer its completion (seq + 1) and pid, then one checksum per tensor
+# (verify). Abort codes: writer w is w + 1 (one writer: TRAINER), the target the next one.
+_ANNOUNCED, _TARGET_PID = 0, 1
+
+
+def _written(writer: int) -> int:
+    return 2 + 2 * writer
+
+
+def _writer_pid(writer: int) -> int:
+    return 3 + 2 * writer
+
+
+def _first_checksum(writers: int) -> int:
+    return 2 + 2 * writers
 
 
 def _mismatches(manifest: Manifest, tensors: Sequence[torch.Tensor], who: str) -> None:
@@ -66,17 +79,26 @@ def _mismatches(manifest: Manifest, tensors: Sequence[torch.Tensor], who: str) -
 
 
 class DirectTarget(ReceiveHalf):
-    """The worker's side: owns the exported region its tensors now live in."""
+    """The worker's side: owns the exported region its tensors now live in.
+
+    ``writers``: the trainer parties that write into it, each its own part, in the order
+    their completions are counted (default: the party serving this worker, alone); the
+    worker's receive returns once every one of them wrote.
+    """
 
     kind = "direct"
     knows_sender_finished = True
 
-    def __init__(self, session: Session, device: torch.device) -> None:
+    def __init__(self, session: Session, device: torch.device, writers: Sequence[str] = ()) -> None:
         self.session = session
         self.manifest = session.manifest
         self.device = device
         self.name = session.party
         self.server = session.server
+        self.writers = tuple(writers) or (session.server,)
+        #: Who an abort code names: the writers in order, then this worker.
+        self._names = [*self.writers, self.name]
+        self._code = worker_code(len(self.writers) - 1)
         self.deadlines = session.deadlines
         self._region: Region | None = None
         self._control: ControlBlock | None = None
@@ -104,7 +126,7 @@ class DirectTarget(ReceiveHalf):
             torch.cuda.current_stream(self.device).synchronize()
         self.close()
         self._region = region
-        self._control = ControlBlock.create(_FIRST_CHECKSUM + len(self.manifest.specs), tag="dctl")
+        self._control = ControlBlock.create(_first_checksum(len(self.writers)) + len(self.manifest.specs), tag="dctl")
         self._control[_TARGET_PID] = os.getpid()
         self._layout = [
             (pointer, torch.Size(spec.shape), spec.torch_dtype) for pointer, spec in zip(pointers, self.manifest.specs)
@@ -115,6 +137,7 @@ class DirectTarget(ReceiveHalf):
             region=region.handle(),
             offsets=offsets,
             control=self._control.handle(),
+            writers=len(self.writers),
         )
         self.exports_made += 1
         return self._export
@@ -141,28 +164,40 @@ class DirectTarget(ReceiveHalf):
         if moved:
             control[_ANNOUNCED] = -(call.seq + 1)
             return [], tuple(moved)
-        if control.aborted_by:
-            # The trainer gave up before this side got here (a late worker): nothing written.
-            raise PeerAborted(f"{self.name}: {self.server} already abandoned sync {call.seq}", blames=[self.server])
+        code = control.aborted_by
+        if code:
+            # A writer gave up before this side got here (a late worker): nothing written.
+            who = self._names[code - 1] if 0 < code <= len(self._names) else self.server
+            raise PeerAborted(f"{self.name}: {who} already abandoned sync {call.seq}", blames=[who])
         begin()
         control[_ANNOUNCED] = call.seq + 1
+        done = call.seq + 1
+
+        def late() -> list[str]:
+            return [w for i, w in enumerate(self.writers) if control[_written(i)] != done]
+
+        def watched() -> int:
+            pending = [i for i in range(len(self.writers)) if control[_written(i)] != done]
+            return control[_writer_pid(pending[0])] if pending else 0
+
         control.wait(
-            lambda: control[_WRITTEN] == call.seq + 1,
+            lambda: not late(),
             self.deadlines.follower(time.monotonic()),
             self.name,
-            lambda: f"{self.server} to finish writing",
-            [self.server, self.name],
-            peer_pid=lambda: control[_WRITER_PID],
-            late=lambda: [self.server],
+            lambda: f"{', '.join(late()) or self.server} to finish writing",
+            self._names,
+            peer_pid=watched,
+            late=late,
         )
         if not call.verify:
             return [], ()
         mine = tensor_checksums(tensors)
+        first = _first_checksum(len(self.writers))
         for index, (spec, got) in enumerate(zip(self.manifest.specs, mine)):
-            if got != control[_FIRST_CHECKSUM + index] & 0xFFFFFFFFFFFFFFFF:
+            if got != control[first + index] & 0xFFFFFFFFFFFFFFFF:
                 raise ChecksumMismatch(
                     f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from "
-                    f"{self.server}'s: the write went wrong"
+                    f"{self.writers[0]}'s: the write went wrong"
                 )
         return mine, ()
 
@@ -188,7 +223,7 @@ class DirectTarget(ReceiveHalf):
 
     def abort(self) -> None:
         if self._control is not None:
-            self._control.abort(_CODE)
+            self._control.abort(self._code)
 
     def close(self, abort: bool = False) -> None:
         if abort:
@@ -210,16 +245,30 @@ class _Mapped:
 
 
 class DirectWriter(SendHalf):
-    """The trainer's side: maps each worker's region once and writes into it."""
+    """The trainer's side: maps each worker's region once and writes into it.
+
+    ``writer`` of ``writers``: this party's place among the trainer parties that write into
+    the same exports, each its own part (default: the only one, writing everything). A
+    subclass says which part through :meth:`_parts` and :meth:`_sources`.
+    """
 
     kind = "direct"
+    #: True when the part written comes from the party's own tensors (``Sources.local``),
+    #: so streamed sources are never walked.
+    reads_local: ClassVar[bool] = False
 
-    def __init__(self, session: Session, device: torch.device) -> None:
+    def __init__(self, session: Session, device: torch.device, writer: int = 0, writers: Sequence[str] = ()) -> None:
         self.session = session
         self.manifest = session.manifest
         self.device = device
         self.deadlines = session.deadlines
         self.name = session.party
+        self.writers = tuple(writers) or (self.name,)
+        if not 0 <= writer < len(self.writers) or self.writers[writer] != self.name:
+            raise WeightSyncError(
+                f"{self.name}: set up as writer {writer} of {list(self.writers)}, which is not this party"
+            )
+        self.writer = writer
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
@@ -241,23 +290,38 @@ class DirectWriter(SendHalf):
                 f"{export.region.nbytes} bytes, the manifest lays out {len(offsets)} in {total}: an export made "
                 "for another manifest; run setup() again"
             )
+        if export.writers != len(self.writers):
+            raise WeightSyncError(
+                f"{self.name}: {export.worker}'s direct export counts {export.writers} writer(s), this transport "
+                f"has {len(self.writers)} ({', '.join(self.writers)}): run setup() again"
+            )
         self._mapped.pop(export.worker, None)
         importer = self.importers.setdefault(export.worker, RegionImporter(f"{self.name}->{export.worker}"))
         importer.release_all()
         region = importer.map(export.region)
         control = ControlBlock.attach(importer.map(export.control), self.name, export.control.path)
-        control[_WRITER_PID] = os.getpid()
+        control[_writer_pid(self.writer)] = os.getpid()
         # Views made once per mapping: a sync is then only the copies.
-        destinations = [
+        whole = [
             typed_view(region, offset, spec) if spec.nbytes else None
             for spec, offset in zip(self.manifest.specs, export.offsets)
         ]
-        self._mapped[export.worker] = _Mapped(export, destinations, control)
+        self._mapped[export.worker] = _Mapped(export, self._parts(whole), control)
+
+    def _parts(self, destinations: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Of a worker's tensors (None: no bytes), the views this party writes (None: none)."""
+        return destinations
+
+    def _sources(self, sources: Sources) -> tuple[Sequence[torch.Tensor], PlanKey]:
+        """What this party copies into the views of :meth:`_parts`, and their plan key."""
+        tensors = sources.tensors
+        # The sender's key is plan_key(tensors) computed once for every half.
+        return tensors, cast(PlanKey, sources.key) if sources.key is not None else plan_key(tensors)
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Write this sync's direct workers in turn (streamed sources: all of them in one pass);
         returns (checksums, workers found stale)."""
-        if sources.streamed:
+        if sources.streamed and not self.reads_local:
             return self._send_streamed(sources, call, deadline)
         checksums: list[int] = []
         if call.verify and sources.checksums is not None:
@@ -268,8 +332,11 @@ class DirectWriter(SendHalf):
                 checksums = read_checksums(
                     [word_sum(s.to(spec.torch_dtype)) for s, spec in zip(sources.tensors, self.manifest.specs)]
                 )
-        stale = tuple(w for w in call.to(self.kind) if not self.write(w, sources, call.seq, deadline, checksums))
-        return checksums, stale
+        tensors, key = self._sources(sources)
+        stale = tuple(w for w in call.to(self.kind) if not self.write(w, tensors, key, call.seq, deadline, checksums))
+        # A worker compares its checksums with its writers' answers put together: the first
+        # writer's are the whole model's, the others add none.
+        return (checksums if self.writer == 0 else []), stale
 
     def start(self, call: SyncCall) -> None:
         for mapped in self._mapped.values():
@@ -277,7 +344,7 @@ class DirectWriter(SendHalf):
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """One pass over streamed sources, whatever the number of workers (see :meth:`_send_streamed`)."""
-        return 1 if targets else 0
+        return 1 if targets and not self.reads_local else 0
 
     def _send_streamed(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         """Streamed sources (a sharded rank's gathers) are read once: every worker announces
@@ -321,34 +388,49 @@ class DirectWriter(SendHalf):
             deadline,
             self.name,
             lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
-            [self.name, worker],
+            [*self.writers, worker],
             peer_pid=lambda: control[_TARGET_PID],
             late=lambda: [worker],
         )
+        code = control.aborted_by
+        if code:
+            # The worker (or another writer) gave up on this sync already: its tensors may be
+            # serving again, so nothing more lands in them.
+            names = [*self.writers, worker]
+            who = names[code - 1] if 0 < code <= len(names) else worker
+            raise PeerAborted(f"{self.name}: {who} abandoned sync {seq} before this side wrote", blames=[who])
         return None if control[_ANNOUNCED] < 0 else mapped
 
-    @staticmethod
-    def _publish(control: ControlBlock, seq: int, checksums: Sequence[int]) -> None:
-        for index, checksum in enumerate(checksums):
-            control[_FIRST_CHECKSUM + index] = _signed(checksum)
-        control[_WRITTEN] = seq + 1
+    def _publish(self, control: ControlBlock, seq: int, checksums: Sequence[int]) -> None:
+        """Mark this party's part written; the first writer also gives the checksums (every
+        writer holds the same ones)."""
+        if self.writer == 0:
+            first = _first_checksum(len(self.writers))
+            for index, checksum in enumerate(checksums):
+                control[first + index] = _signed(checksum)
+        control[_written(self.writer)] = seq + 1
 
-    def write(self, worker: str, sources: Sources, seq: int, deadline: float, checksums: Sequence[int] = ()) -> bool:
-        """Copy every source into ``worker``'s region for sync ``seq``, once the worker
-        announced it is ready; visible to the worker on return. False (nothing written)
-        when the worker announced that its tensors moved since its export."""
+    def write(
+        self,
+        worker: str,
+        tensors: Sequence[torch.Tensor],
+        key: PlanKey,
+        seq: int,
+        deadline: float,
+        checksums: Sequence[int] = (),
+    ) -> bool:
+        """Copy ``tensors`` (this party's sources, :meth:`_sources`) into ``worker``'s region
+        for sync ``seq``, once the worker announced it is ready; visible to the worker on
+        return. False (nothing written) when the worker announced that its tensors moved
+        since its export."""
         mapped = self._mapped.get(worker)
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
         # Everything that does not depend on the worker runs before its announcement is
         # checked: the plan, and ordering the copy stream after the caller's work.
-        copier = None if sources.streamed else self._copier
-        plan = mapped.plan
-        tensors = sources.tensors
-        if copier is not None:
-            key = sources.key if sources.key is not None else plan_key(tensors)
-            if plan is None or (plan.key is not key and plan.key != key):
-                plan = mapped.plan = copier.plan(mapped.destinations, tensors, key)  # type: ignore[arg-type]
+        copier, plan = self._copier, mapped.plan
+        if copier is not None and (plan is None or (plan.key is not key and plan.key != key)):
+            plan = mapped.plan = copier.plan(mapped.destinations, tensors, key)
         self._streams.wait_for(0, self._streams.caller_stream())
         if self._announced(worker, seq, deadline) is None:
             return False
@@ -366,7 +448,7 @@ class DirectWriter(SendHalf):
 
     def abort(self) -> None:
         for mapped in self._mapped.values():
-            mapped.control.abort(TRAINER)
+            mapped.control.abort(self.writer + 1)
 
     def forget(self, worker: str) -> None:
         importer = self.importers.pop(worker, None)

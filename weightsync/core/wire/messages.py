@@ -194,9 +194,14 @@ class DirectExport:
     region: RegionHandle
     offsets: tuple[int, ...]
     control: ShmHandle
+    writers: int = 1
+    """The trainer parties writing into it, each its own part (owner writes: every rank)."""
 
     def __post_init__(self) -> None:
         _require(all(_is_int(o) and o >= 0 for o in self.offsets), "direct export offsets must be non-negative ints")
+        _require(
+            _is_int(self.writers) and self.writers >= 1, f"a direct export has 1 or more writers, got {self.writers!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

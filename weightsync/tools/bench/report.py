@@ -107,21 +107,26 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
 
 
 def _sharded_ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
-    """Owner sends against the gather path and against the unsharded trainer, per rank count:
-    the other's time over owner sends' (above 1x: owner sends are faster)."""
+    """Per rank count, owner sends against the gather path (broadcast) and the unsharded
+    broadcast, owner writes against the gather path (direct) and the unsharded direct: the
+    other's time over the owners' (above 1x: the owners are faster)."""
     lines = []
-    plain = _find(cases, size, f"weightsync broadcast, {receivers} receiver")
-    for owners in (c for c in cases if c.size == size and c.name.startswith("sharded ") and ": owners" in c.name):
-        ranks = owners.name.split(":")[0]
-        for label, base in (
-            (f"{ranks}: owners vs gather", _find(cases, size, f"{ranks}: broadcast")),
-            (f"{ranks}: owners vs unsharded bc", plain),
-        ):
-            if base is not None:
-                lines.append(
-                    f"{size:>6} ratio {label:<38} {base.median / owners.median:6.2f}x  "
-                    f"({base.median * 1e3:.2f} ms against {owners.median * 1e3:.2f} ms)"
-                )
+    for kind, gather, plain, short in (
+        ("owners", "broadcast", f"weightsync broadcast, {receivers} receiver", "bc"),
+        ("owner-writes", "direct", "weightsync direct", "direct"),
+    ):
+        unsharded = _find(cases, size, plain)
+        for owners in (c for c in cases if c.size == size and c.name.startswith("sharded ") and f": {kind}" in c.name):
+            ranks = owners.name.split(":")[0]
+            for label, base in (
+                (f"{ranks}: {kind} vs gather", _find(cases, size, f"{ranks}: {gather}")),
+                (f"{ranks}: {kind} vs unsharded {short}", unsharded),
+            ):
+                if base is not None:
+                    lines.append(
+                        f"{size:>6} ratio {label:<38} {base.median / owners.median:6.2f}x  "
+                        f"({base.median * 1e3:.2f} ms against {owners.median * 1e3:.2f} ms)"
+                    )
     return lines
 
 

@@ -8,8 +8,10 @@ the same run, so the rows compare directly:
 
 * ``owners``: owner sends, every rank broadcasts the rows it holds to every worker (no gather);
 * ``broadcast``: the ranks gather bucket by bucket, rank 0 broadcasts to every worker;
-* ``direct`` / ``ipc``: the first worker, colocated (same node: shared memory), served by
-  rank 0, which gathers and writes it.
+* ``owner-writes``: every rank writes the rows it holds into the first worker, colocated
+  (same node: shared memory), with no gather;
+* ``direct`` / ``ipc``: the first worker, colocated, served by rank 0, which gathers and
+  writes it.
 
 Memory is each rank's peak resident size during the case over its size before the case's
 setup, per rank, in the row's note; ``trainMB`` is the largest of them. CPU only: on one
@@ -90,9 +92,10 @@ def sharded_cases(bench: Timer, size: str, workers: list[Any], nbytes: int, limi
         ranks = trainer_ranks(ShardedPolicyFactory(size, 0, bench.timeout), world, actor_options={"num_cpus": 0})
         try:
             bench.get([r.pid.remote() for r in ranks])  # built and sharded before anything is timed
-            for transport in ("owners", "broadcast", "direct", "ipc"):
-                # Owner sends serve what broadcast serves: they run whenever broadcast does.
-                asked = "broadcast" if transport == "owners" else transport
+            for transport in ("owners", "broadcast", "owner-writes", "direct", "ipc"):
+                # Owner sends serve what broadcast serves, owner writes what direct serves:
+                # each runs whenever the transport it stands beside does.
+                asked = {"owners": "broadcast", "owner-writes": "direct"}.get(transport, transport)
                 if asked in bench.args.transports:
                     members = workers if asked == "broadcast" else workers[:1]
                     _one_case(bench, size, ranks, transport, members, nbytes, limits.get(asked))

@@ -1,0 +1,94 @@
+"""Owner writes: every rank of a sharded trainer writes the rows it holds into a colocated worker.
+
+The halves of the ``owner-writes`` transport (plug-in:
+:mod:`weightsync.core.plugins.owner_writes`). The worker exports its tensors as for
+``direct`` (:class:`~weightsync.core.transport.direct.DirectTarget`), counting R writers;
+every rank maps the export once and, per sync, writes only its own part. Nobody gathers::
+
+    rank r (OwnerWriter)           waits for the worker's announcement; copies its Shard(0)
+                                   rows into the worker's rows of each split tensor, and the
+                                   whole tensors it owns (index % R, as owner sends split
+                                   them); marks its part written (rank 0 also gives the
+                                   checksums, with verify)
+    worker (OwnerWriteTarget)      announces; waits until all R parts are written; checks
+                                   the checksums (verify); commits
+
+A row range is one contiguous run of bytes on both sides, so each part is one copy from the
+rank's shard, with no buffer. A rank that dies or freezes is named by the worker's wait
+(its pid is watched, its part is what is late).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from weightsync.core.owned_plan import OwnedLayout, row_span
+from weightsync.core.transport.base import Sources
+from weightsync.core.transport.batched_copy import PlanKey, plan_key
+from weightsync.core.transport.direct import DirectTarget, DirectWriter
+from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.session import Session
+
+KIND = "owner-writes"
+
+
+class OwnerWriteTarget(DirectTarget):
+    """The worker's side: a direct export that every rank writes a part of."""
+
+    kind = KIND
+
+
+class OwnerWriter(DirectWriter):
+    """Rank ``writer`` of the trainer's ``writers`` (its ranks, in rank order): writes its part."""
+
+    kind = KIND
+    reads_local = True
+
+    def __init__(
+        self, session: Session, device: torch.device, layout: OwnedLayout, writer: int, writers: Sequence[str]
+    ) -> None:
+        if layout.ranks != len(writers):
+            raise WeightSyncError(
+                f"{session.party}: the model is split over {layout.ranks} rank(s) but {len(writers)} write "
+                "(every rank of one mesh writes its part): run setup() again"
+            )
+        self.layout = layout
+        #: Called with each worker's name before this rank writes its part there (progress
+        #: hooks, fault injection in tests).
+        self.on_write: Callable[[str], None] | None = None
+        super().__init__(session, device, writer, writers)
+
+    def _parts(self, destinations: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        ranks, me = self.layout.ranks, self.writer
+        parts: list[torch.Tensor | None] = []
+        for index, (spec, destination) in enumerate(zip(self.manifest.specs, destinations)):
+            if destination is None:
+                parts.append(None)
+            elif self.layout.rows[index] and spec.shape:
+                start, stop = row_span(spec.shape[0], ranks, me)
+                parts.append(destination[start:stop] if stop > start else None)
+            else:
+                parts.append(destination if index % ranks == me else None)
+        return parts
+
+    def write(
+        self,
+        worker: str,
+        tensors: Sequence[torch.Tensor],
+        key: PlanKey,
+        seq: int,
+        deadline: float,
+        checksums: Sequence[int] = (),
+    ) -> bool:
+        if self.on_write is not None:
+            self.on_write(worker)
+        return super().write(worker, tensors, key, seq, deadline, checksums)
+
+    def _sources(self, sources: Sources) -> tuple[Sequence[torch.Tensor], PlanKey]:
+        # A rank's shard is exactly its rows (owned_plan.layout_of checked the split); a
+        # Replicate or plain tensor is whole.
+        held = [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in sources.local]
+        return held, plan_key(held)
