@@ -156,6 +156,16 @@ def test_a_rank_writes_all_its_direct_workers_from_one_gather(two: dict[str, Any
         assert_synced(ranks, workers)
         gathered, _, _ = get(ranks[0].walk_stats.remote())
         assert gathered == 2 * buckets  # verify: one more, for the checksums every half reuses
+    # An ipc worker beside them on the same rank: the direct writes ride the ipc walk.
+    mixed = {**workers, "i1": two["workers"]["i1"]}
+    transport = {"o0": "direct", "d0": "direct", "i1": "ipc"}
+    with WeightSync(ranks, mixed, transport=transport, timeout_s=30, **settings) as ws:  # type: ignore[arg-type]
+        for version, verify in ((7, False), (8, True)):
+            train(ranks, 1, seed=version)
+            ws.sync(version, verify=verify)
+            assert_synced(ranks, mixed)
+            gathered, buckets, _ = get(ranks[0].walk_stats.remote())
+            assert gathered == (1 + verify) * buckets  # one walk for both transports (+1 with verify)
 
 
 def _move(name: str, model: Any) -> None:
@@ -169,23 +179,23 @@ def test_every_rank_writes_its_rows_into_colocated_workers_with_no_gather(two: d
     transport = {"d0": "auto", "o0": "auto", "i1": "ipc"}
     with WeightSync(ranks, workers, transport=transport, worker_ranks={"i1": 1}, timeout_s=30) as ws:
         assert ws.transports() == {"d0": "owner-writes", "o0": "owner-writes", "i1": "ipc"}
-        for version in (7, 8):
+        for version in (9, 10):
             train(ranks, 1, seed=version)
-            report = ws.sync(version, verify=version == 8)
+            report = ws.sync(version, verify=version == 10)
             assert report.transports == {"owner-writes": 2, "ipc": 1}
             assert_synced(ranks, workers)
     mine = {n: workers[n] for n in ("d0", "o0")}
     with WeightSync(ranks, mine, timeout_s=30) as ws:
-        train(ranks, 1, seed=9)
-        ws.sync(9)
+        train(ranks, 1, seed=11)
+        ws.sync(11)
         assert_synced(ranks, mine)
         # Every rank wrote from its own shards: nothing was gathered.
         assert [get(r.walk_stats.remote())[0] for r in ranks] == [0, 0]
         # A worker whose tensor got new storage is exported again, and every rank maps it anew.
         get(mine["d0"].call.remote(partial(_move, "blocks.0.0.weight")))
-        train(ranks, 1, seed=10)
-        report = ws.sync(10)
-        assert {w.version for w in report.workers} == {10}
+        train(ranks, 1, seed=12)
+        report = ws.sync(12)
+        assert {w.version for w in report.workers} == {12}
         assert_synced(ranks, mine)
 
 

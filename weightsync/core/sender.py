@@ -26,8 +26,9 @@ from torch import nn
 from weightsync.core import registry
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.sinks import TensorPaths, module_tensors
-from weightsync.core.transport.base import SendHalf, Sources, shed_traceback
+from weightsync.core.transport.base import Rider, SendHalf, Sources, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
+from weightsync.core.transport.riders import RiddenTensors
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 from weightsync.core.wire.messages import SendResult, SyncCall
@@ -230,10 +231,41 @@ class WeightSender:
                 sources.checksums = read_checksums(
                     [word_sum(t.to(spec.torch_dtype)) for t, spec in zip(sources.tensors, specs)]
                 )
+        riders = self._riders(sources, call, deadline)
+        shared = RiddenTensors(sources.tensors, list(riders.values())) if riders else None
+        carried = Sources(shared, None, streamed=True, local=sources.local) if shared is not None else sources
+        carried.checksums = sources.checksums
         for kind in call.kinds:
-            checksums[kind], found = self.open_half(kind).send(sources, call, deadline)
+            if kind in riders:
+                continue
+            walks = self.open_half(kind).walks(call.to(kind), call.verify) > 0
+            checksums[kind], found = self.open_half(kind).send(carried if walks else sources, call, deadline)
+            stale += found
+        if shared is not None:
+            shared.complete()
+        for kind, rider in riders.items():
+            checksums[kind], found = rider.finish()
             stale += found
         return checksums, stale
+
+    def _riders(self, sources: Sources, call: SyncCall, deadline: float) -> dict[str, Rider]:
+        """On streamed sources, the halves that ride the walk of another (none when no half
+        of this sync walks the sources itself): see :mod:`weightsync.core.transport.riders`."""
+        if not sources.streamed or not self._carrier(call):
+            return {}
+        riders: dict[str, Rider] = {}
+        for kind in call.kinds:
+            rider = self.open_half(kind).ride(sources, call, deadline)
+            if rider is not None:
+                riders[kind] = rider
+        return riders
+
+    def _carrier(self, call: SyncCall) -> bool:
+        """Whether a half of this sync that cannot ride walks the sources itself."""
+        return any(
+            not self.open_half(kind).rides and self.open_half(kind).walks(call.to(kind), call.verify) > 0
+            for kind in call.kinds
+        )
 
     def resolve(self, call: SyncCall) -> SyncCall:
         """``call`` with its targets given: a call without them drives every open half, with
@@ -247,7 +279,12 @@ class WeightSender:
     def walks(self, call: SyncCall) -> int:
         """The passes over the tensors this sync makes: one for the checksums with ``verify``,
         then its halves' (see weightsync.core.sharded)."""
-        return int(call.verify) + sum(self.open_half(kind).walks(call.to(kind), call.verify) for kind in call.kinds)
+        carried = self._carrier(call)
+        return int(call.verify) + sum(
+            self.open_half(kind).walks(call.to(kind), call.verify)
+            for kind in call.kinds
+            if not (carried and self.open_half(kind).rides)
+        )
 
     def start_halves(self, call: SyncCall) -> None:
         """Tell this sync's halves it starts (before any check that may fail it)."""

@@ -85,6 +85,20 @@ class Sources:
         self.checksums: list[int] | None = None
 
 
+class Rider(Protocol):
+    """A half's work done on another half's walk of streamed sources (:meth:`SendHalf.ride`).
+
+    Call order: ``take(i, tensor)`` for every index in manifest order, each once, with the
+    tensor as the walk made it (on the stream current at that moment: the copy is ordered
+    after the walk's own work on it); then ``finish()`` once, which waits for what was
+    queued and hands over, returning what :meth:`SendHalf.send` would have.
+    """
+
+    def take(self, index: int, tensor: torch.Tensor) -> None: ...
+
+    def finish(self) -> tuple[list[int], tuple[str, ...]]: ...
+
+
 class SendHalf(abc.ABC):
     """The trainer's half of one transport for one session."""
 
@@ -110,6 +124,17 @@ class SendHalf(abc.ABC):
         """How many passes in manifest order over ``sources.tensors`` :meth:`send` makes for
         ``targets`` (a sharded source gathers that many times, see weightsync.core.sharded)."""
         return 1
+
+    @property
+    def rides(self) -> bool:
+        """True when :meth:`ride` takes streamed sources (then another half's walk serves it)."""
+        return False
+
+    def ride(self, sources: Sources, call: SyncCall, deadline: float) -> Rider | None:
+        """A :class:`Rider` that does this half's work on streamed ``sources`` as another
+        half walks them (so a sharded rank gathers once for both), or None when this half
+        cannot (the default). Called instead of :meth:`send`."""
+        return None
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -37,11 +37,11 @@ from typing import ClassVar, cast
 import torch
 
 from weightsync.core.packing import read_checksums, tensor_checksums, typed_view, word_sum
-from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
+from weightsync.core.transport.base import Landing, ReceiveHalf, Rider, SendHalf, Sources
 from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
 from weightsync.core.transport.control import ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
-from weightsync.core.transport.streams import SlotStreams
+from weightsync.core.transport.streams import SlotStreams, wait_for_event
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import DirectExport, SyncCall
@@ -351,6 +351,24 @@ class DirectWriter(SendHalf):
         first, then each tensor, as it is gathered, is copied into every worker (and, with
         ``verify`` when the sender has not summed them already, checksummed), so a rank
         serving N workers gathers the model once."""
+        rider = self._streamed_write(sources, call, deadline)
+        self._streams.wait_for(0, self._streams.caller_stream())
+        with self._streams.use(0):
+            for index, source in enumerate(sources.tensors):
+                rider.take(index, source)
+        return rider.finish()
+
+    @property
+    def rides(self) -> bool:
+        return not self.reads_local
+
+    def ride(self, sources: Sources, call: SyncCall, deadline: float) -> Rider | None:
+        """On streamed sources another half walks: this sync's workers written from that walk."""
+        if not sources.streamed or self.reads_local:
+            return None
+        return self._streamed_write(sources, call, deadline)
+
+    def _streamed_write(self, sources: Sources, call: SyncCall, deadline: float) -> _StreamedWrite:
         ready: list[_Mapped] = []
         stale: list[str] = []
         for worker in call.to(self.kind):
@@ -359,22 +377,7 @@ class DirectWriter(SendHalf):
                 stale.append(worker)
             else:
                 ready.append(mapped)
-        sums: list[torch.Tensor] = []
-        summed = sources.checksums if call.verify else None
-        self._streams.wait_for(0, self._streams.caller_stream())
-        with torch.no_grad(), self._streams.use(0):
-            for index, (spec, source) in enumerate(zip(self.manifest.specs, sources.tensors)):
-                if call.verify and summed is None:
-                    sums.append(word_sum(source.to(spec.torch_dtype)))
-                for mapped in ready:
-                    destination = mapped.destinations[index]
-                    if destination is not None:
-                        destination.copy_(source)
-        self._streams.drain(deadline, f"{self.name}: writing into {len(ready)} direct worker(s) timed out", own=True)
-        checksums = (summed if summed is not None else read_checksums(sums)) if call.verify else []
-        for mapped in ready:
-            self._publish(mapped.control, call.seq, checksums)
-        return checksums, tuple(stale)
+        return _StreamedWrite(self, ready, tuple(stale), call, deadline, sources.checksums if call.verify else None)
 
     def _announced(self, worker: str, seq: int, deadline: float) -> _Mapped | None:
         """``worker``'s mapping once it announced sync ``seq``; None when it announced that its
@@ -461,6 +464,51 @@ class DirectWriter(SendHalf):
             self.abort()
         for worker in list(self._mapped):
             self.forget(worker)
+
+
+class _StreamedWrite:
+    """The workers of one sync written tensor by tensor as a walk of streamed sources
+    reaches them (:class:`~weightsync.core.transport.base.Rider`): each copy is queued on
+    the stream current at :meth:`take`, after the walk's own work on that tensor."""
+
+    def __init__(
+        self,
+        writer: DirectWriter,
+        ready: list[_Mapped],
+        stale: tuple[str, ...],
+        call: SyncCall,
+        deadline: float,
+        summed: list[int] | None,
+    ) -> None:
+        self.writer, self.ready, self.stale = writer, ready, stale
+        self.call, self.deadline, self.summed = call, deadline, summed
+        self._sums: list[torch.Tensor] = []
+        self._events: dict[int, torch.cuda.Event] = {}  # per stream used: after its last copy
+
+    def take(self, index: int, tensor: torch.Tensor) -> None:
+        spec = self.writer.manifest.specs[index]
+        with torch.no_grad():
+            if self.call.verify and self.summed is None:
+                self._sums.append(word_sum(tensor.to(spec.torch_dtype)))
+            for mapped in self.ready:
+                destination = mapped.destinations[index]
+                if destination is not None:
+                    destination.copy_(tensor)
+        if tensor.is_cuda:
+            stream = torch.cuda.current_stream(tensor.device)
+            event = self._events.setdefault(stream.cuda_stream, torch.cuda.Event())
+            event.record(stream)
+
+    def finish(self) -> tuple[list[int], tuple[str, ...]]:
+        writer = self.writer
+        for event in self._events.values():
+            wait_for_event(
+                event, self.deadline, f"{writer.name}: writing into {len(self.ready)} direct worker(s) timed out"
+            )
+        checksums = (self.summed if self.summed is not None else read_checksums(self._sums)) if self.call.verify else []
+        for mapped in self.ready:
+            writer._publish(mapped.control, self.call.seq, checksums)
+        return (checksums if writer.writer == 0 else []), self.stale
 
 
 def _signed(value: int) -> int:

@@ -98,3 +98,18 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str,
             raise (StreamTimeout if own else TransferTimeout)(on_timeout)
         time.sleep(delay)
         delay = min(delay * 2, 20e-6)
+
+
+def wait_for_event(event: torch.cuda.Event, deadline: float, on_timeout: str) -> None:
+    """Wait, up to ``deadline``, for the work recorded before ``event`` (this process's own
+    copies: a late event is this party's failure, a :class:`StreamTimeout`)."""
+    delay = 10e-6
+    polls = 0
+    while not event.query():
+        polls += 1
+        if polls < 2000:
+            continue
+        if time.monotonic() > deadline:
+            raise StreamTimeout(on_timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, 20e-6)
