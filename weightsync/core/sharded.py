@@ -22,7 +22,9 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
 
 A walk a half needs is one pass in manifest order; each half says how many it makes
 (``SendHalf.walks``): broadcast, ipc and direct one each (direct writes every worker of
-the rank from the same pass), owner sends none (each rank sends from its own shards); with
+the rank from the same pass, and rides the pass of broadcast or ipc when the rank drives
+one of them too: :mod:`weightsync.core.transport.riders`), owner sends and owner writes
+none (each rank sends from its own shards); with
 ``verify`` the sender first makes one more, for the checksum of every tensor (what each
 worker's destination is compared with, against rank 0's: a replicated tensor that differs
 between ranks is caught there, naming it), which the halves reuse.
