@@ -55,7 +55,9 @@ def test_two_ranks_on_one_gpu_sync_to_colocated_ipc_direct_and_owner_write_worke
         for spec in specs
     ]
     worker = partial(fm.plain_lm, **SHAPE)
-    workers = {name: actors.add(WorkerActor.options(**opts).remote(worker, device="cuda")) for name in ("i0", "d1", "w2")}
+    workers = {
+        name: actors.add(WorkerActor.options(**opts).remote(worker, device="cuda")) for name in ("i0", "d1", "w2")
+    }
     assert get(ranks[0].call.remote(shard_devices)) == {"DTensor:cuda"}
     transports = {"i0": "ipc", "d1": "direct", "w2": "auto"}
     with WeightSync(

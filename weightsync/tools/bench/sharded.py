@@ -151,4 +151,7 @@ def _one_case(
     extra = [(p - b) / 1e6 for p, b in zip(peaks, base)]
     case.trainer_extra_mb = max(extra)
     case.note = "per rank MB " + "/".join(f"{mb:.0f}" for mb in extra)
+    if transport == "owner-writes":
+        # A rank's resident size counts the pages of the worker's region it wrote into.
+        case.note += " (incl. the worker's shared pages written)"
     print(f"{'':>6} {'':<34} {case.note}", flush=True)
