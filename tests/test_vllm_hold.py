@@ -23,11 +23,19 @@ def test_a_hold_opens_at_receive_and_ends_when_the_receiver_leaves_receiving() -
     hold = SyncHold("keep")
     assert not hold.begins("ws_accept") and hold.begins("ws_receive")
     hold.start(in_flight=2)
+    hold.paused()
     assert not hold.begins("ws_receive")  # one hold per sync
     assert not hold.ends("ws_receive", (0, "receiving"))  # broadcast: the commit follows
     assert hold.ends("ws_commit", (1, "committed"))
     seconds = hold.stop("committed")
-    assert not hold.open and hold.last == HoldRecord(seconds=seconds, in_flight=2, mode="keep", state="committed")
+    assert hold.last is not None and not hold.open
+    assert (hold.last.seconds, hold.last.in_flight, hold.last.mode, hold.last.state) == (
+        seconds,
+        2,
+        "keep",
+        "committed",
+    )
+    assert 0 <= hold.last.pausing_s <= seconds
     assert not hold.ends("ws_commit", (1, "committed"))  # nothing open
 
 
@@ -55,6 +63,6 @@ def test_the_report_shows_the_longest_hold_and_none_when_no_worker_says() -> Non
 
 def test_a_hold_record_refuses_negative_figures_by_name() -> None:
     with pytest.raises(ValueError, match="in_flight"):
-        HoldRecord(seconds=0.1, in_flight=-1, mode="keep", state="committed")
-    with pytest.raises(ValueError, match="seconds"):
-        HoldRecord(seconds=-0.1, in_flight=0, mode="keep", state="committed")
+        HoldRecord(seconds=0.1, pausing_s=0.0, in_flight=-1, mode="keep", state="committed")
+    with pytest.raises(ValueError, match="pausing_s"):
+        HoldRecord(seconds=0.1, pausing_s=0.2, in_flight=0, mode="keep", state="committed")

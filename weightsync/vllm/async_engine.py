@@ -190,6 +190,7 @@ class _AsyncVLLMWorker:
                     pause = llm.pause_generation(mode=self._hold.mode, clear_cache=True)
                     slow = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
                     await self._bounded(f"pause_generation(mode={self._hold.mode!r})", pause, slow)
+                    self._hold.paused()
                 reply = self._replies(await self._rpc("weightsync_call", (payload,)), method)[0]
                 await self._after(reply)
             except BaseException:

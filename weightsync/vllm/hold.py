@@ -6,7 +6,8 @@ engine actor holds generation off from the start of ``ws_receive`` (the first ca
 loads) until a call leaves the receiver out of ``receiving`` (committed, or dirty after a
 failure) or a ``ws_settle`` / ``ws_teardown`` ends the sync. Call order in the actor::
 
-    if hold.begins(method): hold.start(in_flight)      # then pause (or block) generation
+    if hold.begins(method): hold.start(in_flight)      # then pause (or block) generation,
+                                                       # hold.paused() once paused
     reply = <the call, forwarded to the engine's workers>
     if hold.ends(method, reply.state):                 # resume generation, then
         value = with_held_off(value, hold.stop())      # the answer carries the seconds
@@ -39,6 +40,9 @@ class HoldRecord:
 
     #: Seconds from pausing (or blocking) generation to resuming it.
     seconds: float
+    #: Of ``seconds``, the time pausing took (vLLM's ``pause_generation``; with "wait" the
+    #: in-flight requests' drain); 0 for a synchronous ``LLM``, blocked at once.
+    pausing_s: float
     #: Generation requests the engine had unfinished when the hold began.
     in_flight: int
     #: How in-flight requests were treated: "block" (a synchronous ``LLM``: a running
@@ -48,8 +52,10 @@ class HoldRecord:
     state: str
 
     def __post_init__(self) -> None:
-        if not self.seconds >= 0:
-            raise ValueError(f"HoldRecord.seconds must be >= 0, got {self.seconds!r}")
+        if not self.seconds >= self.pausing_s >= 0:
+            raise ValueError(
+                f"HoldRecord needs seconds >= pausing_s >= 0, got seconds={self.seconds!r}, pausing_s={self.pausing_s!r}"
+            )
         if self.in_flight < 0:
             raise ValueError(f"HoldRecord.in_flight must be >= 0, got {self.in_flight!r}")
 
@@ -61,6 +67,7 @@ class SyncHold:
         self.mode = mode
         self._started: float | None = None
         self._in_flight = 0
+        self._paused: float | None = None
         self.last: HoldRecord | None = None
 
     @property
@@ -72,7 +79,12 @@ class SyncHold:
 
     def start(self, in_flight: int) -> None:
         self._started = time.perf_counter()
+        self._paused = None
         self._in_flight = in_flight
+
+    def paused(self) -> None:
+        """Generation is paused now (the hold began with a request to pause)."""
+        self._paused = time.perf_counter()
 
     def ends(self, method: str, state: tuple[int | None, str] | None) -> bool:
         """Whether the hold ends after ``method`` answered with receiver ``state``."""
@@ -85,8 +97,11 @@ class SyncHold:
         if self._started is None:
             raise RuntimeError("SyncHold.stop without an open hold")
         seconds = time.perf_counter() - self._started
+        pausing = self._paused - self._started if self._paused is not None else 0.0
         self._started = None
-        self.last = HoldRecord(seconds=seconds, in_flight=self._in_flight, mode=self.mode, state=state)
+        self.last = HoldRecord(
+            seconds=seconds, pausing_s=pausing, in_flight=self._in_flight, mode=self.mode, state=state
+        )
         return seconds
 
 
