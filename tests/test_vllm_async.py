@@ -39,6 +39,7 @@ from tests.test_vllm import (  # noqa: E402
     stop_engine,
 )
 from weightsync import SyncReport, TrainerActor, WeightSync  # noqa: E402
+from weightsync.core.wire.errors import SyncError  # noqa: E402
 from weightsync.vllm import AsyncVLLMWorker  # noqa: E402
 
 #: Long enough that every request is still running when the sync's pause reaches the engine.
@@ -139,3 +140,27 @@ def test_an_unknown_pause_mode_is_refused_by_name(engine: Any) -> None:
         get(engine.set_pause_mode.remote("drain"))
     assert isinstance(err.value.cause, ValueError)
     assert "pause_mode" in str(err.value.cause) and "drain" in str(err.value.cause)
+
+
+def _refuse_loads(worker: Any) -> None:
+    def refuse(weights: Any) -> None:
+        raise RuntimeError("load_weights refused by the test")
+
+    worker.model_runner.get_model().load_weights = refuse
+
+
+def test_a_sync_that_fails_in_the_engine_resumes_generation(engine: Any, trainer: Any) -> None:
+    """Runs last: the engine's weights are left a mix (dirty)."""
+    get(trainer.call.remote(sgd_step, 3))
+    get(engine.collective_rpc.remote(_refuse_loads))
+    with WeightSync(trainer, {"vllm-async": engine}, timeout_s=120) as ws:
+        ws.setup()
+        ids = get(engine.submit.remote(vm.PROMPTS, greedy(LONG)))
+        with pytest.raises(SyncError) as err:
+            ws.sync(3)
+    assert err.value.culprits == ["vllm-async"] and "load_weights refused" in str(err.value)
+    hold = get(engine.last_hold.remote())
+    assert (hold.in_flight, hold.state) == (len(vm.PROMPTS), "dirty")
+    outs = get(engine.collect.remote(ids))  # paused, then resumed after the failure
+    assert [len(o.outputs[0].token_ids) for o in outs] == [LONG] * len(vm.PROMPTS)
+    assert get(engine.weight_version.remote()) == "2"
