@@ -19,8 +19,8 @@ one lock, so a ``generate`` call running when a sync starts finishes first, on t
 weights, and the sync waits for it. Generation stays blocked from the start of the sync's
 ``ws_receive`` until the receiver leaves ``receiving`` (after ``ws_receive`` over ipc, after
 ``ws_commit`` over broadcast or with verify), so no ``generate`` runs on a model whose
-reload is half done; the actor is threaded (``max_concurrency=4``) so a ``generate`` that
-waits for a commit does not keep the commit out. That time is the sync's held-off time
+reload is half done; the coordinator's calls run in a concurrency group of their own
+(``weightsync``), so a ``generate`` that waits for a commit never keeps the commit out. That time is the sync's held-off time
 (:attr:`WorkerReport.held_off_s <weightsync.core.wire.report.WorkerReport.held_off_s>`;
 :meth:`last_hold`). Once a sync commits a new version, the prefix cache (built from the
 old weights) is reset and the version goes to vLLM (``set_weight_version``), so vLLM's
@@ -50,7 +50,7 @@ import ray
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
-from weightsync.glue.actors import forward_worker_protocol
+from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import checkpoint_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
@@ -273,6 +273,10 @@ class _VLLMWorker:
 
 #: ``VLLMWorker.remote(model=..., **LLM kwargs)``; typed Any as Ray's stubs do not follow
 #: ``.options(...).remote(...)``.
-VLLMWorker: Any = ray.remote(max_concurrency=4)(_VLLMWorker)  # type: ignore[call-overload]
+# The coordinator's calls get a thread of their own: a generate waiting for a commit (or an
+# inspection call) holds a thread of the default group, never the commit's.
+for _method in WORKER_PROTOCOL:
+    setattr(_VLLMWorker, _method, ray.method(concurrency_group="weightsync")(getattr(_VLLMWorker, _method)))
+VLLMWorker: Any = ray.remote(concurrency_groups={"weightsync": 1}, max_concurrency=2)(_VLLMWorker)  # type: ignore[call-overload]
 
 __all__ = ["EXTENSION", "EngineCallError", "VLLMWorker"]
