@@ -128,14 +128,22 @@ class _AsyncVLLMWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
-        specs = self._specs
-        if specs is None and self._check_model:
-            dtype = self._llm.model_config.dtype
-            if not isinstance(dtype, torch.dtype):
-                raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-            specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
-        self._replies(await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup")
+        try:
+            specs = self._specs
+            if specs is None and self._check_model:
+                dtype = self._llm.model_config.dtype
+                if not isinstance(dtype, torch.dtype):
+                    raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
+                specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
+            self._replies(await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup")
+        except BaseException as exc:
+            # An engine whose workers have no endpoint could serve but never sync: stop it.
+            self._broken = self._broken or f"its weightsync setup failed: {type(exc).__name__}: {exc}"
+            self._llm.shutdown()
+            raise
         return self._llm
 
     async def set_pause_mode(self, mode: str) -> None:
@@ -236,6 +244,8 @@ class _AsyncVLLMWorker:
         from vllm import SamplingParams
 
         llm = await self._started()
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids, firsts = [], []
         for prompt in [prompts] if isinstance(prompts, str) else list(prompts):
