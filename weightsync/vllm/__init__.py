@@ -2,6 +2,8 @@
 
 * :class:`VLLMWorker` (``weightsync.vllm.engine``): a Ray actor built from vLLM ``LLM``
   keyword arguments that is a worker for :class:`weightsync.WeightSync`.
+* :class:`AsyncVLLMWorker` (``weightsync.vllm.async_engine``): the same around vLLM's
+  ``AsyncLLM``; a sync pauses generation (``pause_mode`` "keep", "wait" or "abort") and resumes it.
 * :class:`WorkerExtension` (``weightsync.vllm.extension``): for
   ``worker_extension_cls="weightsync.vllm.WorkerExtension"``; what crosses vLLM's RPC is bytes.
 * the native backend ``weightsync`` (``weightsync.vllm.backend``), registered in every vLLM
@@ -17,6 +19,7 @@ from typing import Any
 
 _NAMES = {
     "VLLMWorker": "weightsync.vllm.engine",
+    "AsyncVLLMWorker": "weightsync.vllm.async_engine",
     "EngineCallError": "weightsync.vllm.engine",
     "WorkerExtension": "weightsync.vllm.extension",
     "WeightsyncTransferEngine": "weightsync.vllm.backend",

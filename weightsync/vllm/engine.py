@@ -14,16 +14,18 @@ coordinator call is forwarded to each TP rank as bytes through
 ``weight_transfer_config={"backend": "weightsync"}`` and forwards through vLLM's own
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
 
-Around a sync, generation is paused: a Ray actor runs one method at a time, so
-``generate`` never overlaps a coordinator call (a lock keeps that true if you raise
-``max_concurrency``); once a sync commits a new version, the prefix cache (built from the
+Around a sync, generation is blocked: ``LLM.generate`` and the coordinator's calls take
+one lock, so a ``generate`` call running when a sync starts finishes first, on the old
+weights, and the sync waits for it. Generation stays blocked from the start of the sync's
+``ws_receive`` until the receiver leaves ``receiving`` (after ``ws_receive`` over ipc, after
+``ws_commit`` over broadcast or with verify), so no ``generate`` runs on a model whose
+reload is half done; the coordinator's calls run in a concurrency group of their own
+(``weightsync``), so a ``generate`` that waits for a commit never keeps the commit out. That time is the sync's held-off time
+(:attr:`WorkerReport.held_off_s <weightsync.core.wire.report.WorkerReport.held_off_s>`;
+:meth:`last_hold`). Once a sync commits a new version, the prefix cache (built from the
 old weights) is reset and the version goes to vLLM (``set_weight_version``), so vLLM's
-outputs carry it. With ``AsyncLLM`` the same is::
-
-    await engine.pause_generation(mode="keep")      # or "abort" / "wait"
-    ...  # the weightsync calls (collective_rpc("weightsync_call", args=(payload,)) per call)
-    await engine.resume_generation()
-    # native backend: await engine.finish_weight_update(weight_version=str(version))
+outputs carry it. For vLLM's ``AsyncLLM``, which pauses and resumes generation instead,
+see :class:`~weightsync.vllm.AsyncVLLMWorker`.
 
 Every call into the engine is bounded by ``timeout_s``: one that does not answer, or an
 engine that died, raises :class:`EngineCallError` naming the worker and the call, and the
@@ -48,10 +50,11 @@ import ray
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
-from weightsync.glue.actors import forward_worker_protocol
+from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import checkpoint_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
+from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.plugin import BACKEND
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
@@ -94,6 +97,9 @@ class _VLLMWorker:
         self.native = native
         self._broken: str | None = None
         self._lock = threading.Lock()
+        # generate waits on it while a sync holds generation off (between receive and commit)
+        self._idle = threading.Condition(self._lock)
+        self._hold = SyncHold("block")
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-rpc")
         self._version: int | None = None
         self._rank_pids: list[int] = []
@@ -179,10 +185,29 @@ class _VLLMWorker:
     def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         payload = encode_call(Call(method, args, kwargs))
         with self._lock:
+            if self._hold.begins(method):
+                # No generate runs from here (the lock, then the hold) until the hold ends.
+                self._hold.start(in_flight=0)
             target = "weightsync_native_call" if self.native else "weightsync_call"
-            replies = self._replies(self._rpc(target, args=(payload,)), method)
-            self._after(replies[0])
-            return replies[0].value
+            try:
+                replies = self._replies(self._rpc(target, args=(payload,)), method)
+                self._after(replies[0])
+            except BaseException:
+                self._release("failed")
+                raise
+            value = replies[0].value
+            if self._hold.ends(method, replies[0].state):
+                state = replies[0].state[1] if replies[0].state is not None else "unknown"
+                value = with_held_off(value, self._release(state))
+            return value
+
+    def _release(self, state: str) -> float:
+        """End an open hold (under the lock) and wake the waiting ``generate`` calls."""
+        if not self._hold.open:
+            return 0.0
+        seconds = self._hold.stop(state)
+        self._idle.notify_all()
+        return seconds
 
     def _after(self, reply: Reply) -> None:
         """A newly committed version: drop the old prefix cache, tell vLLM the version."""
@@ -196,8 +221,15 @@ class _VLLMWorker:
 
     # for users ------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None) -> Any:
-        """vLLM's ``LLM.generate``; never runs during a sync."""
+        """vLLM's ``LLM.generate``; never runs during a sync (it waits for the sync's commit,
+        up to ``timeout_s``)."""
         with self._lock:
+            if not self._idle.wait_for(lambda: not self._hold.open, timeout=self.timeout_s):
+                raise EngineCallError(
+                    f"{self.name}: a sync has held generation off for over timeout_s={self.timeout_s:.0f}s "
+                    "(it received weights and was never committed, settled or torn down); close the WeightSync "
+                    "that drives this engine, or raise timeout_s"
+                )
             if self._broken is not None:
                 raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
             return self.llm.generate(prompts, sampling_params, use_tqdm=False)
@@ -220,6 +252,11 @@ class _VLLMWorker:
         with self._lock:
             return [r.value for r in self._replies(self._rpc("weightsync_ranks", args=(self.native,)), "ranks")]
 
+    def last_hold(self) -> HoldRecord | None:
+        """The last sync's hold of generation (None before the first sync)."""
+        with self._lock:
+            return self._hold.last
+
     def weight_version(self) -> str:
         return str(self.llm.llm_engine.engine_core.get_weight_version())
 
@@ -236,6 +273,10 @@ class _VLLMWorker:
 
 #: ``VLLMWorker.remote(model=..., **LLM kwargs)``; typed Any as Ray's stubs do not follow
 #: ``.options(...).remote(...)``.
-VLLMWorker: Any = ray.remote(_VLLMWorker)
+# The coordinator's calls get a thread of their own: a generate waiting for a commit (or an
+# inspection call) holds a thread of the default group, never the commit's.
+for _method in WORKER_PROTOCOL:
+    setattr(_VLLMWorker, _method, ray.method(concurrency_group="weightsync")(getattr(_VLLMWorker, _method)))
+VLLMWorker: Any = ray.remote(concurrency_groups={"weightsync": 1}, max_concurrency=2)(_VLLMWorker)  # type: ignore[call-overload]
 
 __all__ = ["EXTENSION", "EngineCallError", "VLLMWorker"]

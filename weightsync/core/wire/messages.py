@@ -277,6 +277,9 @@ class ReceiveResult:
     #: With ``verify``: per tensor, the checksum of what the worker's sink holds after
     #: loading (see ``Sink.checksums``); its commit compares them with the reference trainer's.
     held: list[int] | None = None
+    #: Seconds this worker held generation off for this sync (an inference engine that
+    #: pauses or blocks generation around its loads); None when it does not say.
+    held_off_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

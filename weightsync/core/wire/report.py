@@ -14,6 +14,10 @@ class WorkerReport:
     version: int | None
     state: str
     seconds: float
+    #: Seconds this worker held generation off for the sync, from pausing (or blocking)
+    #: generation to resuming it, as the worker measured it; None for a worker that does
+    #: not serve generation or does not say (see ``weightsync.vllm``).
+    held_off_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,12 @@ class SyncReport:
     send_seconds: float = 0.0
     inplace: int = 0
 
+    @property
+    def held_off_s(self) -> float | None:
+        """The longest time any worker held generation off for this sync (None: none said)."""
+        held = [w.held_off_s for w in self.workers if w.held_off_s is not None]
+        return max(held) if held else None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -52,4 +62,11 @@ class SyncReport:
             f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
+            f"{self._held_off_text()}"
         )
+
+    def _held_off_text(self) -> str:
+        held = self.held_off_s
+        if held is None:
+            return ""
+        return f"; generation held off {held * 1e3:.1f} ms of {self.seconds * 1e3:.1f} ms sync"

@@ -1,0 +1,323 @@
+"""``weightsync.vllm.AsyncVLLMWorker``: a Ray actor around vLLM's ``AsyncLLM`` that is a weightsync worker.
+
+``AsyncLLM`` is what async RL frameworks and vLLM's server run: many requests in flight at
+once, streamed. The actor is an asyncio actor, so ``generate`` calls from any number of
+callers run concurrently with each other and with the coordinator's calls::
+
+    engine = AsyncVLLMWorker.remote(model=path, dtype="bfloat16", pause_mode="keep")
+    ray.get(engine.start.remote(), timeout=600)          # the engine starts (or on first use)
+    with WeightSync(trainer, {"vllm": engine}) as ws:
+        refs = [engine.generate.remote(batch, params) for batch in batches]   # in flight
+        ws.sync(version=1)                               # pauses, loads, resumes
+        outs = ray.get(refs, timeout=600)
+
+Requests in flight when a sync starts: a sync holds generation off with vLLM's
+``pause_generation(mode=pause_mode)`` from the start of its ``ws_receive`` until the
+receiver leaves ``receiving`` (after ``ws_receive`` over ipc, after ``ws_commit`` over
+broadcast or with verify), then ``resume_generation()``; new requests queue meanwhile.
+
+* ``pause_mode="keep"`` (the default): in-flight requests are frozen, not lost. Their KV
+  cache is dropped with the prefix cache (``clear_cache=True``), so when generation resumes
+  each request recomputes its prompt and the tokens it already has with the new weights and
+  samples its remaining tokens from them: a request that straddles a sync has its first
+  tokens from the old weights and the rest from the new. The held-off time is the sync's
+  own (pause, load, reload finalization, resume), whatever the requests' lengths.
+* ``pause_mode="wait"``: the sync first waits for every in-flight request to finish, on the
+  old weights; every output then comes from one version. The held-off time (for new
+  requests) and the sync's wall time include that drain, bounded by ``timeout_s``.
+* ``pause_mode="abort"``: in-flight requests end at once (``finish_reason="abort"``).
+
+Outputs generated entirely after a sync come from its weights, and the engine reports its
+version (``weight_version()``; vLLM's ``update_weight_version`` before resuming). The
+seconds from pause to resume go back with the sync's answer
+(:attr:`WorkerReport.held_off_s <weightsync.core.wire.report.WorkerReport.held_off_s>`;
+:meth:`last_hold` adds the requests in flight at the pause). The worker extension, TP relay
+and timeouts are those of :class:`~weightsync.vllm.VLLMWorker`; the native backend path is
+not offered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.glue.actors import WORKER_PROTOCOL
+from weightsync.vllm.checkpoint import checkpoint_specs
+from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
+from weightsync.vllm.engine import EXTENSION, EngineCallError
+from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
+from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
+
+log = logging.getLogger("weightsync")
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+def forward_worker_protocol_async(cls: type) -> type:
+    """Give ``cls`` an ``async`` method for every name in :data:`WORKER_PROTOCOL`, each
+    awaiting ``self.forward_weightsync(name, ...)`` (an asyncio Ray actor's methods must be
+    coroutines to run on its event loop)."""
+
+    def forwarder(method: str) -> Callable[..., Any]:
+        async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await self.forward_weightsync(method, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = method
+        call.__doc__ = f"Forwards {method} to the vLLM workers."
+        return call
+
+    for method in WORKER_PROTOCOL:
+        if method not in vars(cls):
+            setattr(cls, method, forwarder(method))
+    return cls
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
+@forward_worker_protocol_async
+class _AsyncVLLMWorker:
+    def __init__(
+        self,
+        *,
+        name: str = "vllm",
+        timeout_s: float = 300.0,
+        pause_mode: str = "keep",
+        expected_specs: Sequence[TensorSpec] | None = None,
+        check_model: bool = True,
+        env: dict[str, str] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        extension = engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        if extension != EXTENSION:
+            raise ValueError(f"AsyncVLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
+        os.environ.update(env or {})  # before vLLM reads its settings
+        self.name = name
+        self.timeout_s = float(timeout_s)
+        self._hold = SyncHold(_check_mode(pause_mode))
+        self._specs = tuple(expected_specs) if expected_specs is not None else None
+        self._check_model = check_model
+        self._engine_kwargs = engine_kwargs
+        self._llm: Any = None
+        self._broken: str | None = None
+        self._lock = asyncio.Lock()  # one coordinator call (or engine start) at a time
+        self._requests: dict[str, asyncio.Task[Any]] = {}
+
+    async def start(self) -> int:
+        """Start the engine unless it runs; returns the actor's pid. The coordinator's first
+        call starts it too (AsyncLLM is made on the actor's event loop, which it streams on)."""
+        async with self._lock:
+            await self._started()
+        return os.getpid()
+
+    async def _started(self) -> Any:
+        if self._llm is not None:
+            return self._llm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        try:
+            specs = self._specs
+            if specs is None and self._check_model:
+                dtype = self._llm.model_config.dtype
+                if not isinstance(dtype, torch.dtype):
+                    raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
+                specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
+            self._replies(await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup")
+        except BaseException as exc:
+            # An engine whose workers have no endpoint could serve but never sync: stop it.
+            self._broken = self._broken or f"its weightsync setup failed: {type(exc).__name__}: {exc}"
+            self._llm.shutdown()
+            raise
+        return self._llm
+
+    async def set_pause_mode(self, mode: str) -> None:
+        """How the next syncs treat in-flight requests: "keep", "wait" or "abort" (module doc)."""
+        self._hold.mode = _check_mode(mode)
+
+    # bounded RPC ------------------------------------------------------------------------
+    async def _bounded(self, what: str, coro: Any, slow: str = "") -> Any:
+        """Await ``coro`` (a call into the engine) within ``timeout_s``; a dead engine raises by
+        name. A call that may rightly take long says why in ``slow``: its timeout then
+        raises with that advice and leaves the engine usable."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._broken is not None:
+            coro.close()
+            raise EngineCallError(
+                f"{self.name}: the vLLM engine is unusable ({self._broken}); start a new AsyncVLLMWorker"
+            )
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s + 5.0)
+        except TimeoutError:
+            if slow:
+                raise EngineCallError(
+                    f"{self.name}: {what} did not finish within timeout_s={self.timeout_s:.0f}s: {slow}"
+                ) from None
+            self._broken = f"{what} got no answer within {self.timeout_s:.0f}s"
+        except EngineDeadError as exc:
+            self._broken = f"the engine died during {what}: {exc}"
+        except Exception as exc:
+            if not self._llm.errored:
+                raise EngineCallError(f"{self.name}: {what} failed in the engine: {type(exc).__name__}: {exc}") from exc
+            self._broken = f"the engine died during {what} ({type(exc).__name__}: {exc})"
+        raise EngineCallError(f"{self.name}: {self._broken}")
+
+    async def _rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return list(await self._bounded(method, self._llm.collective_rpc(method, self.timeout_s, args)))
+
+    def _replies(self, raw: list[Any], what: str) -> list[Reply]:
+        replies = [decode_reply(r, f"{self.name} (TP rank {i})", what) for i, r in enumerate(raw)]
+        for i, reply in enumerate(replies):
+            unwrap(reply, f"{self.name} (TP rank {i})", what)
+        return replies
+
+    # the coordinator's protocol ---------------------------------------------------------------
+    async def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        payload = encode_call(Call(method, args, kwargs))
+        async with self._lock:
+            llm = await self._started()
+            try:
+                if self._hold.begins(method):
+                    self._hold.start(in_flight=llm.get_num_unfinished_requests())
+                    pause = llm.pause_generation(mode=self._hold.mode, clear_cache=True)
+                    slow = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
+                    await self._bounded(f"pause_generation(mode={self._hold.mode!r})", pause, slow)
+                    self._hold.paused()
+                reply = self._replies(await self._rpc("weightsync_call", (payload,)), method)[0]
+                await self._after(reply)
+            except BaseException:
+                try:
+                    await self._resume("failed")
+                except Exception as resume_exc:  # noqa: BLE001 - logged; the call's own error is raised
+                    log.warning(
+                        "weightsync: %s: resuming generation after a failed %s: %s", self.name, method, resume_exc
+                    )
+                raise
+            value = reply.value
+            if self._hold.ends(method, reply.state):
+                value = with_held_off(value, await self._resume(reply.state[1] if reply.state else "unknown"))
+            return value
+
+    async def _after(self, reply: Reply) -> None:
+        """A newly committed version goes to vLLM before generation resumes."""
+        if reply.state is None:
+            return
+        version, state = reply.state
+        if state == WorkerState.COMMITTED.value and version is not None:
+            await self._bounded("update_weight_version", self._llm.update_weight_version(str(version)))
+
+    async def _resume(self, state: str) -> float:
+        """Resume generation if a hold is open; returns its seconds (pause to resume)."""
+        if not self._hold.open:
+            return 0.0
+        try:
+            await self._bounded("resume_generation", self._llm.resume_generation())
+        finally:
+            seconds = self._hold.stop(state)
+        return seconds
+
+    # for users ------------------------------------------------------------------------------
+    async def generate(self, prompts: Any, sampling_params: Any = None) -> list[Any]:
+        """Every prompt's final ``RequestOutput``, in order (the prompts run concurrently)."""
+        ids = await self.submit(prompts, sampling_params, wait_first=False)
+        return await self.collect(ids)
+
+    async def submit(self, prompts: Any, sampling_params: Any = None, wait_first: bool = True) -> list[str]:
+        """Start one request per prompt and return their ids for :meth:`collect`; with
+        ``wait_first``, once every request has its first output (so each is in flight)."""
+        from vllm import SamplingParams
+
+        llm = await self._started()
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids, firsts = [], []
+        for prompt in [prompts] if isinstance(prompts, str) else list(prompts):
+            request_id = f"weightsync-{uuid.uuid4().hex}"
+            first = asyncio.Event()
+            self._requests[request_id] = asyncio.create_task(self._run(llm, prompt, params, request_id, first))
+            ids.append(request_id)
+            firsts.append(first)
+        if wait_first:
+            # set at the first output, or when the request ends without one
+            await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), self.timeout_s)
+        return ids
+
+    @staticmethod
+    async def _run(llm: Any, prompt: Any, params: Any, request_id: str, first: asyncio.Event) -> Any:
+        final = None
+        try:
+            async for out in llm.generate(prompt, params, request_id):
+                final = out
+                first.set()
+        finally:
+            first.set()
+        return final
+
+    async def collect(self, request_ids: Sequence[str]) -> list[Any]:
+        """The final ``RequestOutput`` of each request :meth:`submit` started, in order."""
+        unknown = [i for i in request_ids if i not in self._requests]
+        if unknown:
+            raise WeightSyncError(f"{self.name}: no submitted request has id(s) {unknown}; collect each once")
+        tasks = [self._requests.pop(i) for i in request_ids]
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), self.timeout_s))
+
+    async def collective_rpc(
+        self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """As :meth:`VLLMWorker.collective_rpc`: ``fn(worker, *args, **kwargs)`` on every TP rank."""
+        async with self._lock:
+            llm = await self._started()
+            if isinstance(fn, str):
+                return list(await self._bounded(fn, llm.collective_rpc(fn, self.timeout_s, tuple(args), kwargs)))
+            payload = encode_call(Call(fn, tuple(args), dict(kwargs or {})))
+            label = getattr(fn, "__name__", "callable")
+            return [r.value for r in self._replies(await self._rpc("weightsync_call", (payload,)), label)]
+
+    async def ranks(self) -> list[RankInfo]:
+        """Each TP rank: pid, device, tensors loaded so far, version and state."""
+        async with self._lock:
+            await self._started()
+            return [r.value for r in self._replies(await self._rpc("weightsync_ranks", (False,)), "ranks")]
+
+    async def weight_version(self) -> str:
+        llm = await self._started()
+        return str(await self._bounded("get_weight_version", llm.get_weight_version()))
+
+    async def last_hold(self) -> HoldRecord | None:
+        """The last sync's pause of generation (None before the first sync)."""
+        return self._hold.last
+
+    async def shutdown(self) -> None:
+        """Stop the engine's processes (the actor stays up, and unusable)."""
+        for task in self._requests.values():
+            task.cancel()
+        if self._llm is not None:
+            self._llm.shutdown()
+        self._broken = self._broken or "shut down"
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+#: ``AsyncVLLMWorker.remote(model=..., pause_mode="keep", **AsyncEngineArgs kwargs)``; typed
+#: Any as Ray's stubs do not follow ``.options(...).remote(...)``.
+AsyncVLLMWorker: Any = ray.remote(_AsyncVLLMWorker)
+
+__all__ = ["PAUSE_MODES", "AsyncVLLMWorker", "forward_worker_protocol_async"]
