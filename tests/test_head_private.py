@@ -7,6 +7,7 @@ check is exercised by passing a uid that is not ours.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -228,3 +229,21 @@ def test_stop_signals_the_recorded_head(head_dir: Path, decoy: subprocess.Popen[
     record(head_dir, pid=decoy.pid, start_time=process_start_time(decoy.pid))
     assert stop_head(head_dir, timeout_s=30).startswith("stopped the head")
     assert decoy.wait(timeout=30) == -15  # SIGTERM
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["the-head", "pid-reused"])
+def test_stop_works_on_a_kernel_without_pidfds(
+    head_dir: Path, decoy: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch, reused: bool
+) -> None:
+    def no_pidfds(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    started = process_start_time(decoy.pid)
+    assert started is not None
+    record(head_dir, pid=decoy.pid, start_time=started + 1 if reused else started)
+    said = stop_head(head_dir, timeout_s=30)
+    if reused:
+        assert "is not running" in said and decoy.poll() is None
+    else:
+        assert said.startswith("stopped the head") and decoy.wait(timeout=30) == -15

@@ -3,6 +3,7 @@ coordinator took over, a trainer rank blamed for its own change, dead workers dr
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -171,3 +172,28 @@ def test_an_abort_of_a_failed_sync_does_not_fail_the_next_one_in_the_session() -
     finally:
         receiver.close_transports()
         sender.close_transports()
+
+
+class _Half:
+    def __init__(self, kind: str, fails: bool) -> None:
+        self.kind, self.fails, self.aborted = kind, fails, False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.fails:
+            raise OSError(f"{self.kind}: the control block is gone")
+
+
+def test_an_abort_that_fails_neither_masks_the_cause_nor_skips_the_other_halves() -> None:
+    from weightsync.core.transport.base import abort_each
+
+    halves = [_Half("ipc", True), _Half("direct", False)]
+    cause = TimeoutError("worker-3 did not answer")
+    abort_each(halves, cause)  # the cause stays the error its caller raises
+    assert all(h.aborted for h in halves)
+    if sys.version_info >= (3, 11):
+        assert any("ipc" in note for note in cause.__notes__)
+    halves = [_Half("ipc", True), _Half("direct", False)]
+    with pytest.raises(OSError, match="ipc"):
+        abort_each(halves, None)  # no cause: the abort's own failure is the error
+    assert all(h.aborted for h in halves)

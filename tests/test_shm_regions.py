@@ -128,6 +128,15 @@ def test_a_forged_direct_export_or_packed_handle_never_reads_or_writes_the_named
     finally:
         os.unlink(link)
     assert victim.read_bytes() == b"secret bytes, 32 of them.......!"
+    # Something with a region's name that is not a regular file (a FIFO here; another
+    # user's file the same way) is refused as foreign, naming it.
+    fifo = os.path.join(SHM_DIR, str(SegmentName.fresh("evil")))
+    os.mkfifo(fifo, 0o600)
+    try:
+        with pytest.raises(ForeignPath, match=re.escape(fifo)):
+            map_shm(forged(fifo, 32))
+    finally:
+        os.unlink(fifo)
 
 
 # --- who sweeps what --------------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch import nn
 from weightsync.core.checking import check_destination
 from weightsync.core.listener import Listener
 from weightsync.core.sinks import ModuleSink, Sink
-from weightsync.core.transport.base import ReceiveHalf, shed_traceback
+from weightsync.core.transport.base import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushExport, ReceiveResult, SyncCall
@@ -138,7 +138,7 @@ class WeightReceiver:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
-            half.abort()
+            abort_each([half], failure)
             if self.state is WorkerState.RECEIVING:
                 self.state = WorkerState.DIRTY
             raise failure

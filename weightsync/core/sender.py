@@ -26,7 +26,7 @@ from torch import nn
 from weightsync.core import registry
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.sinks import TensorPaths, module_tensors
-from weightsync.core.transport.base import Rider, SendHalf, Sources, shed_traceback
+from weightsync.core.transport.base import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
 from weightsync.core.transport.riders import RiddenTensors
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
@@ -207,7 +207,7 @@ class WeightSender:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
-            self.abort_halves(call)
+            self.abort_halves(call, failure)
             raise failure
         assert sources is not None
         return SendResult(
@@ -293,12 +293,11 @@ class WeightSender:
             if half is not None:
                 half.start(call)
 
-    def abort_halves(self, call: SyncCall) -> None:
-        """Tell every peer of this sync's transports that this side failed."""
-        for kind in call.kinds:
-            half = self.halves.get(kind)
-            if half is not None:
-                half.abort()
+    def abort_halves(self, call: SyncCall, failure: BaseException | None = None) -> None:
+        """Tell every peer of this sync's transports that this side failed (``failure``:
+        the cause, which stays the error raised whatever an abort does; see
+        :func:`~weightsync.core.transport.base.abort_each`)."""
+        abort_each([h for kind in call.kinds if (h := self.halves.get(kind)) is not None], failure)
 
     # transports (the plug-ins' TrainerSide) ---------------------------------------------
     def half(self, kind: str) -> SendHalf | None:
@@ -329,9 +328,12 @@ class WeightSender:
         halves, so a push still in flight ends before the memory it reads is released."""
         if by:
             self.closed_by = by
+        told: Exception | None = None
         if abort:
-            for half in self.halves.values():
-                half.abort()
+            try:
+                abort_each(list(self.halves.values()), None)
+            except Exception as exc:  # noqa: BLE001 - raised below, once everything is closed
+                told = exc
         extras, self.extras = self.extras, {}
         for extra in extras.values():
             close = getattr(extra, "close", None)
@@ -339,3 +341,5 @@ class WeightSender:
                 close()
         for kind in list(self.halves):
             self._close(kind, abort)
+        if told is not None:
+            raise told

@@ -208,7 +208,7 @@ class ShardedSender(WeightSender):
             except BaseException as exc:  # noqa: BLE001 - the first failure is the one raised
                 failure = failure or shed_traceback(exc)
         if failure is not None:
-            self.abort_halves(call)
+            self.abort_halves(call, failure)
             raise failure
         sums = streamed.checksums if streamed is not None and streamed.checksums else []
         return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start, tensor_checksums=sums)

@@ -32,6 +32,7 @@ The head's directory holds ``head.json`` (:class:`HeadInfo`), ``auth_token``, ``
 
 from __future__ import annotations
 
+import errno
 import getpass
 import hashlib
 import json
@@ -178,6 +179,18 @@ def signal_head(info: HeadInfo, signum: int) -> bool:
         pidfd = os.pidfd_open(info.pid)
     except ProcessLookupError:
         return False
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        # A kernel without pidfds (before Linux 5.3): check, then signal by pid. The head's
+        # start time is part of the check, so only a pid reused in between could be hit.
+        if not head_running(info):
+            return False
+        try:
+            os.kill(info.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
     try:
         if not head_running(info):
             return False

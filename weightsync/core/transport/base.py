@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, Protocol
 
 import torch
@@ -177,6 +177,32 @@ class ReceiveHalf(abc.ABC):
     @abc.abstractmethod
     def close(self, abort: bool = False) -> None:
         """Release what the session holds."""
+
+
+class _Aborts(Protocol):
+    kind: ClassVar[str]
+
+    def abort(self) -> None: ...
+
+
+def abort_each(halves: Iterable[_Aborts], failure: BaseException | None) -> None:
+    """Tell every half's peers that this side failed, each in turn, as the failure policy
+    wants: a half whose abort itself fails keeps neither the other halves from aborting nor
+    ``failure`` (the cause, when this side is failing already) from being the error raised;
+    the abort's own error is logged and noted on ``failure``, or raised when there is none."""
+    first: Exception | None = None
+    for half in halves:
+        try:
+            half.abort()
+        except Exception as exc:
+            log.error("weightsync: telling the %s transport's peers of a failure failed", half.kind, exc_info=exc)
+            note = getattr(failure, "add_note", None)  # Python 3.11+
+            if callable(note):
+                note(f"(then aborting the {half.kind} transport failed too: {exc!r})")
+            if failure is None and first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 def shed_traceback(exc: BaseException) -> BaseException:

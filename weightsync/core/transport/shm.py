@@ -119,7 +119,7 @@ def map_shm(handle: ShmHandle) -> torch.Tensor:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise ExportNotFound(
+            raise ForeignPath(
                 f"shared-memory export {handle.path} is not a regular file of this user (uid {info.st_uid}, "
                 f"mode {stat.filemode(info.st_mode)}): refused"
             )
