@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from weightsync.core import registry
+from weightsync.core.wire.casts import count_casts
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SendResult
 from weightsync.core.wire.report import SyncReport, WorkerReport
@@ -29,7 +30,14 @@ def build_report(
         counts[m.transport] = counts.get(m.transport, 0) + 1
         r = results[m.name]
         workers.append(
-            WorkerReport(name=m.name, transport=m.transport, version=r.version, state=r.state, seconds=r.seconds)
+            WorkerReport(
+                name=m.name,
+                transport=m.transport,
+                version=r.version,
+                state=r.state,
+                seconds=r.seconds,
+                casts=count_casts(m.casts),
+            )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]
     plan = plans[0] if plans else manifest.chunks
