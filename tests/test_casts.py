@@ -3,7 +3,7 @@
 The handshake accepts the difference for a sink that casts (it records each tensor's cast,
 and every SyncReport counts them per worker, lossy ones named in the summary); a module
 sink or a direct worker, which take the wire's bytes as they are, is refused naming the
-tensor, the worker and the settings to change. The real vLLM engine is in test_vllm_fp32.
+tensor, the worker and the settings to change. The real vLLM engine is in test_vllm_casts.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""An fp32 vLLM engine (the CPU build) fed a bf16 wire: the engine casts on load.
+"""vLLM engines (the CPU build) in another dtype than the wire's: the engine casts on load.
 
-One engine for the module, started in fp32 from the bf16 checkpoint. A plain trainer syncs
-into it first (the handshake records a bf16 -> fp32 cast for every tensor, the report
-counts them); then two FSDP2 ranks (gloo) of the same Hugging Face Llama sync into it over
-ipc (served by rank 1) and over broadcast (rank 0); then rank 1 dies in the middle of a
-sync and the engine keeps the version it had. Every sync is checked on the engine's own
+One fp32 engine for the module, started from the bf16 checkpoint and fed a bf16 wire. A
+plain trainer syncs into it first (the handshake records a bf16 -> fp32 cast for every
+tensor, the report counts them); then two FSDP2 ranks (gloo) of the same Hugging Face
+Llama sync into it over ipc (served by rank 1) and over broadcast (rank 0), in chunks
+small enough that receive buffers are refilled; then rank 1 dies in the middle of a sync
+and the engine keeps the version it had. Every sync is checked on the engine's own
 parameters, bit for bit (the trainer's tensors rounded to bf16, then held in fp32), and on
-prompt log-probs against the trainer's model with those weights.
-"""
+prompt log-probs against the trainer's model with those weights. Last, an fp16 engine of
+its own: the lossy cast is listed in the report."""
 
 from __future__ import annotations
 
@@ -193,3 +194,28 @@ def test_a_rank_killed_mid_sync_leaves_the_engine_at_its_version(engine: Any, ra
     with WeightSync(trainer, {"vllm": engine}, timeout_s=120) as again:
         assert again.sync(5).workers[0].state == "committed"
     assert_engine_holds(engine, get(trainer.call.remote(hf_state)))
+
+
+def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(
+    ray_session: None, checkpoint: str, trainer: Any
+) -> None:
+    """vLLM's CPU build runs fp16 too: bf16 -> fp16 narrows the exponent range, so the cast
+    is listed as lossy; the engine holds the trainer's bf16 values cast to fp16, bit for bit.
+    Its own engine, stopped at the end of the test."""
+    fp16 = start_engine(checkpoint, name="vllm16", dtype="float16")
+    try:
+        with WeightSync(trainer, {"vllm16": fp16}, buffer_bytes=BUFFER, timeout_s=120) as ws:
+            report = ws.sync(1)
+            count = len(ws.manifest.specs)  # type: ignore[union-attr]
+        (worker,) = report.workers
+        assert [(c.wire, c.held, c.tensors, c.loses) for c in worker.casts] == [("bfloat16", "float16", count, "range")]
+        assert f"vllm16 {count} tensor(s) bfloat16->float16, loses range" in report.summary()
+        (held,) = get(fp16.collective_rpc.remote(vm.engine_params))
+        expected = vm.fused(get(trainer.call.remote(hf_state)), torch.bfloat16)
+        for name, tensor in held.items():
+            want = expected["model.embed_tokens.weight" if name == "lm_head.weight" else name].to(torch.float16)
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensor = tensor[: want.shape[0]]
+            assert tensor.dtype == torch.float16 and torch.equal(tensor, want), name
+    finally:
+        stop_engine(fp16)
