@@ -330,8 +330,15 @@ def spec_mismatches(
 
 def _dtype_fix(expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str, may_cast: bool) -> str:
     """What to set when dtypes differ (empty when none does)."""
-    mine = {s.name: s.dtype for s in local}
-    pairs = sorted({(s.dtype, mine[s.name]) for s in expected if s.name in mine and mine[s.name] != s.dtype})
+    mine = {s.name: s for s in local}
+    refused = [
+        (s.dtype, mine[s.name].dtype)
+        for s in expected
+        if s.name in mine
+        and mine[s.name].dtype != s.dtype
+        and not (may_cast and castable(s.torch_dtype, mine[s.name].torch_dtype))
+    ]
+    pairs = sorted(set(refused))
     if not pairs:
         return ""
     wire, held = pairs[0]
