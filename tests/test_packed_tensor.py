@@ -26,8 +26,9 @@ from tests.packed_procs import (
     shm_ipc_consumer,
 )
 from weightsync import packed_tensor as pt
+from weightsync.compat import packed_ipc
 from weightsync.core.transport.shm import leftover_segments
-from weightsync.core.wire import UnsupportedDtypeError
+from weightsync.core.wire import DeviceMismatch, UnsupportedDtypeError
 from weightsync.core.wire.shm_names import current_scope
 
 CTX = mp.get_context("spawn")
@@ -235,9 +236,32 @@ def test_a_failure_midway_aborts_the_group_and_propagates() -> None:
 def test_ipc_producer_refuses_an_oversize_tensor_naming_the_size_needed() -> None:
     items = [("small", torch.ones(4)), ("huge", torch.ones(100))]
     before = set(leftover_segments(scope=current_scope()))
-    with pytest.raises(ValueError, match=r"'huge'.*at least 400"):
+    with pytest.raises(ValueError, match=r"'huge'.*exceeds buffer_size_bytes=128.*at least 400"):
         list(pt.packed_ipc_producer(iter(items), pt.CPU_HANDLE_KEY, lambda item: item[1], 128))
     assert set(leftover_segments(scope=current_scope())) == before
+
+
+def test_the_oversize_warning_opens_with_vllms_words_so_its_filters_still_match() -> None:
+    vpt = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    items = [("w", random_tensor((64,), torch.float32, 3))]
+    with pytest.warns(UserWarning) as theirs:
+        vpt.pack_tensors(iter(items), lambda item: item[1], 100)
+    with pytest.warns(UserWarning, match=r"Tensor 'w' has size 256 bytes, which exceeds buffer_size_bytes=100") as ours:
+        chunk = pt.pack_tensors(iter(items), lambda item: item[1], 100)
+    assert chunk is not None and chunk.names == ["w"]
+    assert len(theirs) == len(ours) == 1
+    assert str(ours[0].message).startswith(str(theirs[0].message).rstrip("."))
+
+
+def test_an_ipc_handle_for_other_gpus_only_is_vllms_value_error_naming_both(monkeypatch: Any) -> None:
+    # The lookup runs before anything touches CUDA, so a stand-in UUID tests it on CPU.
+    monkeypatch.setattr(packed_ipc, "gpu_uuid_of", lambda index: f"GPU-here-{index}")
+    handle = {"GPU-elsewhere": tuple(range(8))}
+    with pytest.raises(ValueError, match=r"IPC handle not found for GPU UUID GPU-here-1.*GPU-elsewhere") as caught:
+        pt.packed_ipc_consumer(handle, ["w"], [[2]], ["float32"], [8], 1, pt.PackedBufferImporter())
+    assert isinstance(caught.value, DeviceMismatch)
+    args = packed_ipc.rebuild_args_for({"GPU-here-1": tuple(range(8)), **handle}, "GPU-here-1", 3)
+    assert args == [0, 1, 2, 3, 4, 5, 3, 7]
 
 
 def test_ipc_on_cpu_in_one_process_maps_once_and_delivers_trailing_empty_tensors() -> None:

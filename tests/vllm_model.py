@@ -24,9 +24,15 @@ def other_model(seed: int = 2) -> nn.Module:
 
 def fused_bf16(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainer's tensors cast to bf16, in vLLM's Llama layout (qkv_proj, gate_up_proj)."""
-    hf = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    return fused({n: t.detach() for n, t in model.state_dict().items()}, torch.bfloat16)
+
+
+def fused(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama state (parameters by name) cast to ``dtype``, in vLLM's Llama
+    layout (qkv_proj, gate_up_proj); names outside it (lm_head, rotary buffers) are left out."""
+    hf = {n: t.to(dtype) for n, t in state.items()}
     out = {"model.embed_tokens.weight": hf["model.embed_tokens.weight"], "model.norm.weight": hf["model.norm.weight"]}
-    layers = model.config.num_hidden_layers  # type: ignore[union-attr]
+    layers = 1 + max(int(n.split(".")[2]) for n in hf if n.startswith("model.layers."))
     for i in range(layers):
         p = f"model.layers.{i}"
         a, m = f"{p}.self_attn", f"{p}.mlp"
@@ -37,6 +43,50 @@ def fused_bf16(model: nn.Module) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{p}.{norm}.weight"] = hf[f"{p}.{norm}.weight"]
     return out
+
+
+def fsdp_trainer_model(path: str, seed: int = 1) -> nn.Module:
+    """One rank of a sharded trainer of :func:`trainer_model`: joins the rank's gloo group,
+    then shards every decoder layer and the rest (embedding, norm, tied head) with FSDP2."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    model = trainer_model(path, seed)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def nudge_shards(model: nn.Module, seed: int) -> None:
+    """Each rank adds small seeded noise to its own shards (training, without a collective):
+    a sync must assemble every rank's part."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    with torch.no_grad():
+        for t in model.parameters():
+            assert isinstance(t, DTensor), "every parameter is sharded"
+            local = t.to_local()
+            local.add_(torch.randn(local.shape, generator=gen).to(local.dtype) * 0.02)
+
+
+def model_from(state: dict[str, torch.Tensor]) -> nn.Module:
+    """A Hugging Face Llama holding ``state`` (a gathered trainer's parameters)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(llama_config())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not [n for n in unexpected if "rotary" not in n], (
+        missing,
+        unexpected,
+    )
+    return model
 
 
 def prompt_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:

@@ -27,6 +27,7 @@ from weightsync.core.sinks import LoadWeightsSink, ModuleSink
 from weightsync.core.transport.plugin import Mode, Transport
 from weightsync.core.wire import (
     ALLOWED_DTYPES,
+    CastCount,
     Manifest,
     ModelChangedError,
     Outcome,
@@ -36,6 +37,7 @@ from weightsync.core.wire import (
     SyncError,
     SyncReport,
     SyncSettings,
+    TensorCast,
     TensorSpec,
     VerificationError,
     VersionError,
@@ -67,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "CastCount",
     "LoadWeightsSink",
     "Manifest",
     "ModelChangedError",
@@ -80,6 +83,7 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "SyncSettings",
+    "TensorCast",
     "TensorSpec",
     "TrainerActor",
     "TrainerHost",

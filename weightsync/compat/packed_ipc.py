@@ -123,8 +123,8 @@ def packed_ipc_producer(
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > buffer_size_bytes:
                 raise ValueError(
-                    f"tensor {name!r} is {nbytes} bytes, more than buffer_size_bytes={buffer_size_bytes}: "
-                    f"packed_ipc_producer sends every chunk through one buffer, so buffer_size_bytes must be "
+                    f"Tensor {name!r} has size {nbytes} bytes, which exceeds buffer_size_bytes={buffer_size_bytes}: "
+                    f"packed_ipc_producer sends every chunk through one buffer, so raise buffer_size_bytes to "
                     f"at least {nbytes}"
                 )
             if region is None:
@@ -189,6 +189,21 @@ class PackedBufferImporter:
             self.released += 1
 
 
+def rebuild_args_for(ipc_handle: dict[str, Any], local_uuid: str, device_index: int) -> list[Any]:
+    """torch's rebuild arguments for the GPU ``local_uuid`` (``cuda:device_index`` here), with
+    the device index made local; ``DeviceMismatch`` (a ``ValueError``, as in vLLM) when the
+    chunk holds no handle for that GPU."""
+    if local_uuid not in ipc_handle:
+        # The opening words are vLLM's, so code that matches its message keeps working.
+        raise DeviceMismatch(
+            f"IPC handle not found for GPU UUID {local_uuid} (cuda:{device_index} here). Available UUIDs: "
+            f"{sorted(ipc_handle)}; pass the device_index of the producer's GPU as this process numbers it"
+        )
+    args = list(ipc_handle[local_uuid])
+    args[6] = device_index
+    return args
+
+
 def packed_ipc_consumer(
     ipc_handle: dict[str, Any],
     names: list[str],
@@ -214,15 +229,7 @@ def packed_ipc_consumer(
     if isinstance(shared, ShmHandle):
         buffer = importer.map_shared(shared)
     else:
-        local = gpu_uuid_of(device_index)
-        if local not in ipc_handle:
-            raise DeviceMismatch(
-                f"no IPC handle for GPU {local} (cuda:{device_index} here); the chunk has handles for "
-                f"{sorted(ipc_handle)}: pass the device index of the producer's GPU"
-            )
-        args = list(ipc_handle[local])
-        args[6] = device_index
-        buffer = importer.rebuild(args)
+        buffer = importer.rebuild(rebuild_args_for(ipc_handle, gpu_uuid_of(device_index), device_index))
     content = sum(tensor_sizes)
     if buffer.numel() < content:
         raise ValueError(f"the chunk's tensors need {content} bytes but the exported buffer holds {buffer.numel()}")

@@ -34,9 +34,12 @@ the wire and the chunk boundaries do not change):
   ``unpack_tensor`` or to the consumer's metadata) resolve through weightsync's allow-list
   (:data:`weightsync.ALLOWED_DTYPES`), never ``getattr(torch, name)``.
 - A tensor larger than ``buffer_size_bytes`` in ``pack_tensors`` or the broadcast producer
-  is sent in one oversize chunk, as in vLLM, with a ``UserWarning`` naming the tensor, its
-  size and the setting (the wording differs). ``packed_ipc_producer`` refuses it, as vLLM
-  does, with a ``ValueError`` naming the tensor and the size the buffer must have.
+  is sent in one oversize chunk, as in vLLM, with vLLM's ``UserWarning`` (``Tensor '<name>'
+  has size <n> bytes, which exceeds buffer_size_bytes=<b>``, followed by what to raise).
+  ``packed_ipc_producer`` refuses it, as vLLM does, with a ``ValueError`` that opens with
+  the same words and names the size the buffer must have. ``packed_ipc_consumer`` given
+  handles for other GPUs only raises vLLM's ``ValueError`` (``IPC handle not found for GPU
+  UUID ...``, the available UUIDs and what to pass), as ``DeviceMismatch``, a subclass.
 - Every wait on a CUDA stream has a deadline (keyword-only ``timeout_s``, per wait; vLLM
   waits forever on a dead peer) and raises ``TransferTimeout``; on any failure the group's
   ``abort()`` is called when it has one, so peers fail at once instead of at their timeout.
@@ -129,9 +132,10 @@ def _take(
             raise TypeError(f"post_iter_func returned {type(tensor).__name__} for tensor {item[0]!r}, not a Tensor")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > buffer_size_bytes:
+            # The opening words are vLLM's, so warning filters written against its module still match.
             warnings.warn(
-                f"tensor '{item[0]}' is {nbytes} bytes, more than buffer_size_bytes={buffer_size_bytes}; it goes "
-                f"in one oversize chunk of at least {nbytes} bytes (raise buffer_size_bytes to keep chunks bounded)",
+                f"Tensor '{item[0]}' has size {nbytes} bytes, which exceeds buffer_size_bytes={buffer_size_bytes}; "
+                f"it goes in one oversize chunk (raise buffer_size_bytes to at least {nbytes} to keep chunks bounded)",
                 UserWarning,
                 stacklevel=3,
             )

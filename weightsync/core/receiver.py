@@ -30,6 +30,7 @@ from weightsync.core.checking import check_destination
 from weightsync.core.listener import Listener
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.transport.base import ReceiveHalf, abort_each, shed_traceback
+from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushExport, ReceiveResult, SyncCall
@@ -61,6 +62,8 @@ class WeightReceiver:
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
         self._session: Session | None = None
+        #: The tensors the sink casts on load, from the last accepted Manifest.
+        self.casts: tuple[TensorCast, ...] = ()
         self.version: int | None = None
         self.state = WorkerState.COMMITTED
         self.active_half: ReceiveHalf | None = None
@@ -70,22 +73,29 @@ class WeightReceiver:
         self.gate = threading.RLock()
         self.listener: Listener | None = None
 
-    def accept(self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def accept(
+        self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> tuple[TensorCast, ...]:
         """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing.
 
         Starts this set-up's Session: ``server`` is the trainer party that feeds this
-        worker (named when it fails), ``timeout_s`` bounds every wait.
+        worker (named when it fails), ``timeout_s`` bounds every wait. Returns the tensors
+        this worker's sink casts on load (held in another floating dtype than the wire's;
+        only a sink with ``casts_on_load`` may), also kept as :attr:`casts`.
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
         manifest.validate()
         manifest.check_buffer_expectations(self.name, *self._expect)
         local = self.sink.local_specs()
+        casts: tuple[TensorCast, ...] = ()
         if local is not None:
-            manifest.check_against(local, self.name)
+            casts = manifest.check_against(local, self.name, bool(getattr(self.sink, "casts_on_load", False)))
         session = Session(manifest=manifest, party=self.name, server=server, timeout_s=timeout_s)
         self.close_transports()
         self._session = session
+        self.casts = casts
+        return casts
 
     @property
     def session(self) -> Session:

@@ -96,7 +96,11 @@ class TensorPaths:
 
 class Sink(Landing, Protocol):
     """What a receiver needs from the place tensors go: a transport's :class:`Landing`, plus
-    what the handshake and ``WeightSync.verify`` ask."""
+    what the handshake and ``WeightSync.verify`` ask.
+
+    ``casts_on_load`` (read with ``getattr``, False when absent): whether the sink copies
+    each tensor into its destination with a cast, so the handshake may accept a floating
+    tensor held in another dtype than the wire's (:mod:`weightsync.core.wire.casts`)."""
 
     def local_specs(self) -> Sequence[TensorSpec] | None:
         """What this worker holds, for the handshake; None accepts any manifest."""
@@ -125,6 +129,9 @@ class ModuleSink:
 
     keeps_references = False
     records_checksums = True
+    #: The wire's bytes are written into the parameters' storage (and direct writes them
+    #: there from the trainer): a dtype difference cannot be cast.
+    casts_on_load = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -200,7 +207,14 @@ class LoadWeightsSink:
     handed to ``load_weights``, not the engine's parameters after it renamed, fused or
     sharded them (weightsync cannot see those). ``record_checksums=False`` skips that read
     of every byte, and a sync with ``verify`` is then refused.
+
+    ``load_weights`` must copy each tensor into its own (with ``copy_``, as vLLM's loaders
+    do), which casts: ``expected_specs`` may name a floating dtype other than the wire's,
+    and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
+    are of the bytes handed over, in the wire's dtype.
     """
+
+    casts_on_load = True
 
     def __init__(
         self,

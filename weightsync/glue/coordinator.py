@@ -31,6 +31,7 @@ import ray
 from weightsync.core import registry
 from weightsync.core.checking import compare_checksums
 from weightsync.core.policy import judge
+from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import SettingsError, SetupError, VersionError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
@@ -159,6 +160,11 @@ class WeightSync:
 
     def transports(self) -> dict[str, str]:
         return self._members.transports()
+
+    def casts(self) -> dict[str, tuple[TensorCast, ...]]:
+        """Per worker, the tensors its sink casts on load (another floating dtype than the
+        wire's), as accepted in the last setup; every SyncReport counts them per worker."""
+        return {name: m.casts for name, m in self._members.members.items()}
 
     # setup ------------------------------------------------------------------------------
     def setup(self) -> Manifest:

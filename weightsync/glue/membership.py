@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.core.choice import check_request
+from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.glue.ranks import TrainerRanks, identity, reserved
@@ -31,6 +32,8 @@ class Member:
     transport: str = ""
     info: EndpointInfo | None = None
     rank: int = 0
+    #: Accepted in the handshake: the tensors its sink casts on load.
+    casts: tuple[TensorCast, ...] = ()
 
 
 def check_name(name: object) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from weightsync.core import registry
+from weightsync.core.wire.casts import count_casts
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SendResult
 from weightsync.core.wire.report import SyncReport, WorkerReport
@@ -36,6 +37,7 @@ def build_report(
                 state=r.state,
                 seconds=r.seconds,
                 held_off_s=r.held_off_s,
+                casts=count_casts(m.casts),
             )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]

@@ -26,6 +26,7 @@ from typing import Any
 from weightsync.core import registry
 from weightsync.core.policy import judge
 from weightsync.core.transport.plugin import Mode, Serving
+from weightsync.core.wire.casts import count_casts
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo
@@ -144,14 +145,22 @@ class Setup:
         return manifest
 
     def _accept(self, manifest: Manifest) -> None:
+        """Every worker checks the manifest; each one's casts are kept on its Member (and
+        logged: a lossy one as a warning, see :mod:`weightsync.core.wire.casts`)."""
         timeout = self.settings.timeout_s
-        self.steps.run(
+        members = self.membership.members.values()
+        outs = self.steps.run(
             {
                 (m.name, "accept"): m.handle.ws_accept.remote(manifest, m.name, self.ranks.names[m.rank], timeout)
-                for m in self.membership.members.values()
+                for m in members
             },
             "in the handshake, before any byte moved",
         )
+        for m in members:
+            m.casts = tuple(outs[m.name].value or ())  # a worker without casts may answer None
+            for count in count_casts(m.casts):
+                level = logging.WARNING if count.loses else logging.INFO
+                log.log(level, "weightsync: %s casts on load %s", m.name, count.line())
 
     def open(self, members: Iterable[Member]) -> None:
         """Open, in registry order, every transport of ``members`` on each party serving them

@@ -20,6 +20,7 @@ from torch import nn
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.core.transport.plugin import Plugin
+from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.outcome import Outcome
@@ -67,12 +68,13 @@ class WorkerMixin:
         self, manifest: Manifest, name: str, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> Outcome:
         """Check the trainer's manifest and start this worker's Session as ``name``, fed by
-        ``server`` (the trainer party named when it fails)."""
+        ``server`` (the trainer party named when it fails); the outcome's value is the
+        tensors its sink casts on load (a tuple of ``TensorCast``)."""
 
-        def accept() -> None:
+        def accept() -> tuple[TensorCast, ...]:
             receiver = self._wr()
             receiver.name = name
-            receiver.accept(manifest, server, timeout_s)
+            return receiver.accept(manifest, server, timeout_s)
 
         return answer(name, "accept", accept)
 

@@ -50,7 +50,11 @@ class RankEndpoint(WorkerMixin):
         self.loaded = 0  # tensors loaded on this rank, all syncs
         self.mirrored_state: tuple[int | None, str] | None = None  # a follower's copy of rank 0's
         self.name = name
-        self.weightsync_sink = LoadWeightsSink(self._load, expected_specs=expected_specs)
+        # Not copies_immediately: vLLM's layerwise reload keeps the tensors it is handed
+        # until each layer has all its weights (a layer with padding, such as the
+        # vocabulary-padded embedding, until the reload ends), so views into a receive
+        # buffer that the next chunk refills would be read stale. Each tensor is cloned.
+        self.weightsync_sink = LoadWeightsSink(self._load, copies_immediately=False, expected_specs=expected_specs)
 
     @property
     def tp_rank(self) -> int:

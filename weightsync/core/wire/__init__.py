@@ -6,6 +6,7 @@ Ray-free and transport-free; everything else in weightsync builds on it.
 * :mod:`~weightsync.core.wire.dtypes`: the dtype allow-list.
 * :mod:`~weightsync.core.wire.settings`: :class:`SyncSettings`, validated.
 * :mod:`~weightsync.core.wire.manifest`: TensorSpec, the Manifest.
+* :mod:`~weightsync.core.wire.casts`: the casts a worker's sink makes on load, and what each loses.
 * :mod:`~weightsync.core.wire.plan`: the chunk plans (packed, broadcast) both sides derive.
 * :mod:`~weightsync.core.wire.messages`: endpoint info, group spec, export handles, per-sync calls and results.
 * :mod:`~weightsync.core.wire.outcome`: :class:`Outcome` per party and call, and blame.
@@ -13,6 +14,7 @@ Ray-free and transport-free; everything else in weightsync builds on it.
 * :mod:`~weightsync.core.wire.report`: :class:`SyncReport`.
 """
 
+from weightsync.core.wire.casts import CastCount, TensorCast
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.core.wire.errors import (
     ChecksumMismatch,
@@ -72,6 +74,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TRAINER_PARTY",
     "AgreedSettings",
+    "CastCount",
     "ChecksumMismatch",
     "Chunk",
     "ChunkPiece",
@@ -102,6 +105,7 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "SyncSettings",
+    "TensorCast",
     "TensorSpec",
     "TransferError",
     "TransferTimeout",

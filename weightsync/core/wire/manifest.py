@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from weightsync.core.wire.casts import CASTABLE, TensorCast, castable
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.core.wire.errors import ManifestError, SettingsError
 from weightsync.core.wire.plan import Chunk, align_up, plan_broadcast, plan_chunks
@@ -220,18 +221,34 @@ class Manifest:
                 f"{len(rebuilt.broadcast_chunks)} chunk(s)); install the same weightsync version on both sides"
             )
 
-    def check_against(self, local: Sequence[TensorSpec], who: str = "worker") -> None:
-        """Refuse this Manifest unless ``local`` holds exactly the same tensors.
+    def check_against(
+        self, local: Sequence[TensorSpec], who: str = "worker", may_cast: bool = False
+    ) -> tuple[TensorCast, ...]:
+        """Refuse this Manifest unless ``local`` holds the same tensors; returns the casts.
 
         Every mismatch is listed by tensor name in one error: missing on ``who``,
-        unexpected on ``who``, shape and dtype differences. Order does not matter: the
-        receiver places tensors by name.
+        unexpected on ``who``, shape and dtype differences, and what to set when dtypes
+        differ. With ``may_cast`` (``who`` loads through a sink that casts), a floating
+        tensor held in another castable dtype is no mismatch but a :class:`TensorCast`,
+        returned in manifest order (:mod:`weightsync.core.wire.casts`). Order does not
+        matter otherwise: the receiver places tensors by name.
         """
-        problems = spec_mismatches(self.specs, local, who)
+        problems = spec_mismatches(self.specs, local, who, may_cast)
         if problems:
+            fix = _dtype_fix(self.specs, local, who, may_cast)
             raise ManifestError(
-                f"{who} does not match the trainer's manifest ({len(problems)} problem(s)):\n  " + "\n  ".join(problems)
+                f"{who} does not match the trainer's manifest ({len(problems)} problem(s)):\n  "
+                + "\n  ".join(problems)
+                + (f"\n{fix}" if fix else "")
             )
+        if not may_cast:
+            return ()
+        mine = {s.name: s for s in local}
+        return tuple(
+            TensorCast(name=s.name, wire=s.dtype, held=mine[s.name].dtype)
+            for s in self.specs
+            if mine[s.name].dtype != s.dtype
+        )
 
     def check_buffer_expectations(
         self,
@@ -290,8 +307,11 @@ def check_specs(specs: Sequence[TensorSpec]) -> None:
         raise ManifestError(f"duplicate tensor names in manifest: {', '.join(duplicates)}")
 
 
-def spec_mismatches(expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str = "worker") -> list[str]:
-    """Every difference between two spec lists, one readable line per tensor."""
+def spec_mismatches(
+    expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str = "worker", may_cast: bool = False
+) -> list[str]:
+    """Every difference between two spec lists, one readable line per tensor (with
+    ``may_cast``, a castable dtype difference is none: see :func:`castable`)."""
     theirs = {s.name: s for s in expected}
     mine = {s.name: s for s in local}
     problems = []
@@ -303,6 +323,33 @@ def spec_mismatches(expected: Sequence[TensorSpec], local: Sequence[TensorSpec],
         t, m = theirs[name], mine[name]
         if t.shape != m.shape:
             problems.append(f"{name}: shape {list(t.shape)} on the trainer, {list(m.shape)} on {who}")
-        if t.dtype != m.dtype:
+        if t.dtype != m.dtype and not (may_cast and castable(t.torch_dtype, m.torch_dtype)):
             problems.append(f"{name}: dtype {t.dtype} on the trainer, {m.dtype} on {who}")
     return sorted(problems)
+
+
+def _dtype_fix(expected: Sequence[TensorSpec], local: Sequence[TensorSpec], who: str, may_cast: bool) -> str:
+    """What to set when dtypes differ (empty when none does)."""
+    mine = {s.name: s for s in local}
+    refused = [
+        (s.dtype, mine[s.name].dtype)
+        for s in expected
+        if s.name in mine
+        and mine[s.name].dtype != s.dtype
+        and not (may_cast and castable(s.torch_dtype, mine[s.name].torch_dtype))
+    ]
+    pairs = sorted(set(refused))
+    if not pairs:
+        return ""
+    wire, held = pairs[0]
+    why = (
+        f"{who} loads through a sink that casts, but only between {sorted(dtype_name(d) for d in CASTABLE)}"
+        if may_cast
+        else f"{who} writes the wire's bytes into its tensors' storage (a module sink or a direct worker), so it "
+        "cannot cast; a worker that loads through load_weights (a LoadWeightsSink, a vLLM engine) can"
+    )
+    return (
+        f"To fix the dtypes ({', '.join(f'{w} sent, {h} held' for w, h in pairs)}): set the trainer's wire_dtype "
+        f"to the worker's dtype (wire_dtype=torch.{held}), or build {who}'s model in {wire} (a vLLM engine: "
+        f"dtype={wire!r}); {why}."
+    )

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from weightsync.core.wire.casts import CastCount
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerReport:
@@ -18,6 +20,9 @@ class WorkerReport:
     #: generation to resuming it, as the worker measured it; None for a worker that does
     #: not serve generation or does not say (see ``weightsync.vllm``).
     held_off_s: float | None = None
+    #: The casts its sink makes on load, counted by (wire dtype, held dtype), each with what
+    #: it loses ("range", "precision" or None); empty when it holds the wire's dtypes.
+    casts: tuple[CastCount, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +32,8 @@ class SyncReport:
     ``chunks`` counts the manifest's chunk plan: the broadcast plan when a broadcast worker
     took part (``inplace`` of its chunks are single tensors sent in place), else the packed
     plan ipc uses (direct writes the same bytes without packing them). ``verified`` is True
-    only when a check of the bytes ran on every worker before it committed.
+    only when a check of the bytes ran on every worker before it committed. Each
+    worker's ``casts`` counts the tensors it holds in another dtype than the wire's.
     """
 
     version: int
@@ -57,11 +63,13 @@ class SyncReport:
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k}={v}" for k, v in sorted(self.transports.items()))
+        lossy = [f"{w.name} {c.line()}" for w in self.workers for c in w.casts if c.loses]
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
             f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
+            f"{'; lossy casts on load: ' + '; '.join(lossy) if lossy else ''}"
             f"{self._held_off_text()}"
         )
 
