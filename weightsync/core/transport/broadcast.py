@@ -15,7 +15,7 @@ such tensor, and unpacks from there exactly as it unpacks a packed chunk. In-pla
 operations hold no buffer, so both sides keep up to :data:`INPLACE_DEPTH` of them in flight
 (``num_buffers`` when that is larger): on a CPU every gloo operation waits for a
 receiver's ready message and a peer's wake-up, which several operations in flight hide
-(see docs/benchmarks.md, "In-place operations in flight"). Receivers keep that many
+(see docs/benchmarks.md, "CPU broadcast knobs"). Receivers keep that many
 operations posted ahead, whatever their kind; a packed chunk still waits for its buffer.
 In-place operations run on their own stream (on a GPU). Buffers are allocated once per session and reused; an
 in-flight chunk's buffer stays referenced until its broadcast completed, and both sides
@@ -54,9 +54,10 @@ from weightsync.core.wire.session import Session
 log = logging.getLogger("weightsync")
 
 #: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger).
-#: Measured on the 2-core CPU machine (docs/benchmarks.md, "In-place operations in flight"):
-#: a 1 GB model whose bytes are all in place synced at 73-77% of one raw gloo broadcast with
-#: 2 in flight and at 80-100% with 4.
+#: Measured on the 2-core CPU machine, variants interleaved in one run (docs/benchmarks.md,
+#: "CPU broadcast knobs"): the 1 GB policy, all but 70 KB of it in place, to 2 receivers
+#: synced at 68% of one raw gloo broadcast with 2 in flight, 87% with 4, 83% with 8; the
+#: 100 MB one at 70% with 2, 77% with 4 or 8.
 INPLACE_DEPTH = 4
 
 
