@@ -56,8 +56,8 @@ log = logging.getLogger("weightsync")
 #: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger).
 #: Measured on the 2-core CPU machine, variants interleaved in one run (docs/benchmarks.md,
 #: "CPU broadcast knobs"): the 1 GB policy, all but 70 KB of it in place, to 2 receivers
-#: synced at 68% of one raw gloo broadcast with 2 in flight, 87% with 4, 83% with 8; the
-#: 100 MB one at 70% with 2, 77% with 4 or 8.
+#: synced at 66-83% of one raw gloo broadcast with 2 in flight and 75-87% with 4 (three
+#: runs; 8 no better); the 100 MB one the same either way except under heavy load.
 INPLACE_DEPTH = 4
 
 
