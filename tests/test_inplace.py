@@ -223,6 +223,34 @@ def test_trainer_sends_a_strided_tensor_through_a_temporary() -> None:
     assert_bit_equal(worker.q, tensors(0)["q"], "q")
 
 
+def test_more_in_place_operations_in_flight_than_buffers_with_temporaries_stay_bit_exact() -> None:
+    """Four in-place operations in flight over one buffer (INPLACE_DEPTH > num_buffers), every
+    in-place source strided, so each goes through a temporary, which num_buffers bounds."""
+    model = Model(0)
+    for name in ("embed", "q", "down"):
+        shape = dict((n, s) for n, s, _ in LAYOUT)[name]
+        strided = torch.zeros(shape[::-1], dtype=getattr(model, name).dtype).t()
+        strided.copy_(getattr(model, name))
+        setattr(model, name, strided)
+    settings = SyncSettings(buffer_bytes=2048, num_buffers=1, inplace_bytes=THRESHOLD)
+    sender = WeightSender(model)
+    manifest = sender.manifest(settings)
+    assert manifest.inplace_count == 4  # embed, q, fp8, down
+    workers = [Model(80), Model(81)]
+    calls = [SyncCall(seq=0, version=1, verify=True), SyncCall(seq=1, version=2)]
+
+    def between(n: int) -> None:
+        if n == 1:
+            for name, t in tensors(6).items():
+                getattr(model, name).copy_(t)
+
+    results = run_group(sender, [WeightReceiver(w, name=f"w{i}") for i, w in enumerate(workers)], calls, between)
+    for worker, res in zip(workers, results):
+        assert not any(isinstance(r, Exception) for r in res), res
+        for name, t in tensors(6).items():
+            assert_bit_equal(getattr(worker, name), t, name)
+
+
 def test_verify_catches_a_corrupted_in_place_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of an in-place tensor after it landed: the chunk checksums must differ."""
     from weightsync.core.transport import broadcast

@@ -11,9 +11,13 @@ wire-dtype temporary, alive until its broadcast completed: at most ``num_buffers
 at once), and a receiver whose sink gives a contiguous tensor of that dtype and shape
 receives straight into it; any other receiver (a strided or differently typed destination,
 a ``load_weights`` sink) receives into one reused scratch buffer, the size of the largest
-such tensor, and unpacks from there exactly as it unpacks a packed chunk. Receivers keep
-``num_buffers`` operations posted ahead, whatever their kind. In-place operations run on
-their own stream (on a GPU). Buffers are allocated once per session and reused; an
+such tensor, and unpacks from there exactly as it unpacks a packed chunk. In-place
+operations hold no buffer, so both sides keep up to :data:`INPLACE_DEPTH` of them in flight
+(``num_buffers`` when that is larger): on a CPU every gloo operation waits for a
+receiver's ready message and a peer's wake-up, which several operations in flight hide
+(see docs/benchmarks.md, "CPU broadcast knobs"). Receivers keep that many
+operations posted ahead, whatever their kind; a packed chunk still waits for its buffer.
+In-place operations run on their own stream (on a GPU). Buffers are allocated once per session and reused; an
 in-flight chunk's buffer stays referenced until its broadcast completed, and both sides
 drain every stream before returning. With ``verify``, every chunk of the plan, in-place
 ones included, has a checksum on both sides.
@@ -48,6 +52,13 @@ from weightsync.core.wire.plan import Chunk
 from weightsync.core.wire.session import Session
 
 log = logging.getLogger("weightsync")
+
+#: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger).
+#: Measured on the 2-core CPU machine, variants interleaved in one run (docs/benchmarks.md,
+#: "CPU broadcast knobs"): the 1 GB policy, all but 70 KB of it in place, to 2 receivers
+#: synced at 66-83% of one raw gloo broadcast with 2 in flight and 75-87% with 4 (three
+#: runs; 8 no better); the 100 MB one the same either way except under heavy load.
+INPLACE_DEPTH = 4
 
 
 class Work(Protocol):
@@ -91,6 +102,8 @@ class PackedGroup:
         self.members = tuple(members)
         # num_buffers, never more than the plan has chunks.
         nbuf = self.nbuf = self.manifest.depth(self.manifest.broadcast_chunks)
+        #: Operations in flight (sender: in-place ones; receiver: posted ahead, any kind).
+        self.depth = max(nbuf, INPLACE_DEPTH)
         # One stream per buffer slot, and the last one for the in-place operations.
         self.streams = SlotStreams(comm.device, nbuf + 1)
         self.lane = nbuf
@@ -183,14 +196,16 @@ class BroadcastSender(PackedGroup, SendHalf):
         self.agree(deadline)
         nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
-        # In-place broadcasts in flight, with the tensor each reads (a temporary, maybe).
-        inplace: deque[tuple[Work, torch.Tensor]] = deque()
+        # In-place broadcasts in flight, with the tensor each reads and whether that is a
+        # temporary (at most nbuf temporaries are alive at once).
+        inplace: deque[tuple[Work, torch.Tensor, bool]] = deque()
         caller = self.streams.caller_stream()
         checksums: list[int] = []
         packed = 0
         for chunk in self.manifest.broadcast_chunks:
             if chunk.inplace:
-                while len(inplace) >= nbuf:
+                temporary = self._needs_temporary(chunk, sources)
+                while len(inplace) >= self.depth or (temporary and sum(t for *_, t in inplace) >= nbuf):
                     inplace.popleft()[0].wait(deadline)
                 with self.streams.use(self.lane), torch.no_grad():
                     self.streams.wait_for(self.lane, caller)
@@ -198,7 +213,7 @@ class BroadcastSender(PackedGroup, SendHalf):
                     if call.verify:
                         checksums.append(contiguous_checksum(wire))
                     work = self.comm.broadcast(as_bytes(wire), 0, self.streams.stream_pointer(self.lane))
-                inplace.append((work, wire))
+                inplace.append((work, wire, temporary))
                 self.in_flight.append(work)
                 continue
             slot = packed % nbuf
@@ -219,12 +234,22 @@ class BroadcastSender(PackedGroup, SendHalf):
         for last in in_flight:
             if last is not None:
                 last.wait(deadline)
-        for work, _ in inplace:
+        for work, _, _ in inplace:
             work.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
         inplace.clear()
         self.done()
         return checksums, ()
+
+    def _needs_temporary(self, chunk: Chunk, sources: Sources) -> bool:
+        """Whether :meth:`_wire_tensor` makes a copy for this in-place chunk."""
+        index = chunk.pieces[0].spec_index
+        source = sources.tensors[index]
+        return (
+            not source.is_contiguous()
+            or source.dtype != self.manifest.specs[index].torch_dtype
+            or source.device != self.comm.device
+        )
 
     def _wire_tensor(self, chunk: Chunk, sources: Sources) -> torch.Tensor:
         """The tensor an in-place chunk broadcasts: the source itself when it is contiguous,
@@ -288,7 +313,7 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
 
         def post_ahead(done: int) -> None:
             nonlocal ahead
-            while ahead < len(plan) and ahead - done < nbuf:
+            while ahead < len(plan) and ahead - done < self.depth:
                 chunk, held = plan[ahead], resource[ahead]
                 if held is not None and held in busy:
                     return

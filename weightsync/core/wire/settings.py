@@ -17,7 +17,8 @@ DEFAULT_ALIGNMENT = 256
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 #: Tensors of at least this many bytes on the wire are broadcast in place (their own
 #: collective, straight from the trainer's storage into the worker's), not packed. Chosen
-#: by measurement: see docs/benchmarks.md ("In-place threshold") and scripts/inplace_threshold.py.
+#: by measurement: docs/benchmarks.md ("CPU broadcast knobs": scripts/broadcast_sweep.py) and
+#: docs/benchmarks-history.md ("In-place threshold": scripts/inplace_threshold.py).
 DEFAULT_INPLACE_BYTES = 4 * 1024 * 1024
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0

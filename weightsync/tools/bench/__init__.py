@@ -22,7 +22,8 @@ on each side during the case.
 
 Layout: :mod:`~weightsync.tools.bench.driver` measures (the cases, in order),
 :mod:`~weightsync.tools.bench.probes` runs inside the actors, :mod:`~weightsync.tools.bench.report`
-prints and writes the results. This module holds the command line.
+prints and writes the results, :mod:`~weightsync.tools.bench.chart` draws them (``--plot``).
+This module holds the command line.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", help="write every case to this file (default: not written)")
     parser.add_argument(
-        "--plot", help="write a PNG of GB/s against buffer size here, needs matplotlib (default: not written)"
+        "--plot",
+        help="draw every case's GB/s against its raw limit, per size, into this file: .svg needs nothing more, "
+        "other suffixes (.png) need matplotlib, the plot extra (default: not written)",
     )
     parser.set_defaults(func=run)
 

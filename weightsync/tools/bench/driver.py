@@ -15,7 +15,8 @@ from typing import Any
 import weightsync.tools.bench.probes as probes
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.settings import SyncSettings
-from weightsync.tools.bench.report import MIB, Case, header, plot, ratios, show, write_json
+from weightsync.tools.bench.chart import check_plot_path, plot
+from weightsync.tools.bench.report import MIB, Case, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
 
@@ -70,6 +71,8 @@ class Bench:
 
         args = self.args
         cuda = args.device == "cuda"
+        if args.plot:
+            check_plot_path(args.plot)
         connect(args.address, num_cpus=args.num_cpus)
         opts: dict[str, Any] = {"num_cpus": 0}
         if cuda:

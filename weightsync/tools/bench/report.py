@@ -1,4 +1,5 @@
-"""The bench's results: one :class:`Case` per measured row, its printed line, JSON and plot.
+"""The bench's results: one :class:`Case` per measured row, its printed line and JSON (the chart:
+:mod:`weightsync.tools.bench.chart`).
 
 Printing and file formats live here, apart from how cases are measured
 (:mod:`weightsync.tools.bench.driver`), so both can change without touching the other.
@@ -150,32 +151,4 @@ def write_json(path: str, args: argparse.Namespace, cases: list[Case], summary: 
             fh,
             indent=2,
         )
-    print(f"wrote {path}")
-
-
-def plot(cases: list[Case], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (.venv/bin/python -m pip install -e '.[plot]'); no plot written")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for size in dict.fromkeys(c.size for c in cases):
-        for nbuf in (1, 2, 3):
-            pts = sorted(
-                (c.buffer_mib, c.gbps)
-                for c in cases
-                if c.size == size and c.num_buffers == nbuf and c.name.startswith("weightsync ipc")
-            )
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{size} ipc, {nbuf} buffer(s)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("buffer size (MiB)")
-    ax.set_ylabel("effective GB/s")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -1,0 +1,157 @@
+"""CPU broadcast knobs against the raw limit, measured in one set of processes, interleaved.
+
+A trainer and ``--receivers`` receivers (one process each, one gloo group per variant over
+loopback) hold the bench's policy of ``--size`` (``weightsync.tools.models``). Every variant
+is set up once; then each round times one sync of every variant, in a rotated order, so
+that a busy machine's drift falls on all of them alike:
+
+* ``raw``: one gloo broadcast of one buffer of the model's size (the limit);
+* ``per-tensor``: one gloo broadcast per tensor, one at a time;
+* ``IN:NB:BUF[:D]``: the real ``BroadcastSender``/``BroadcastReceiver`` with ``inplace_bytes``
+  IN MiB (0: every tensor packed), ``num_buffers`` NB, ``buffer_bytes`` BUF MiB ("auto":
+  the library's choice) and, when given, D operations in flight in place of the library's
+  ``max(num_buffers, INPLACE_DEPTH)``.
+
+Time per sync: rank 0's wall time from one barrier (a tiny all-reduce on a group of its
+own) before the sync to one after it, so every receiver's unpack counts. Printed: the
+median of ``--repeats`` rounds per variant, and the raw broadcast's time over it::
+
+    .venv/bin/python scripts/broadcast_sweep.py --size 100mb --variants raw,per-tensor,4:2:auto,16:2:auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+MIB = 2**20
+TIMEOUT_S = 300.0
+
+
+def settings_of(variant: str) -> Any:
+    from weightsync.core.wire import SyncSettings
+
+    inplace, nbuf, buf = variant.split(":")[:3]
+    return SyncSettings(
+        buffer_bytes="auto" if buf == "auto" else int(float(buf) * MIB),
+        num_buffers=int(nbuf),
+        inplace_bytes=int(float(inplace) * MIB),
+        timeout_s=TIMEOUT_S,
+    )
+
+
+def rank_main(rank: int, world: int, port: int, args: Any, out: Any) -> None:
+    from weightsync import WeightReceiver, WeightSender
+    from weightsync.core.sinks import module_tensors
+    from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
+    from weightsync.core.transport.gloo import GlooCommunicator
+    from weightsync.core.wire import SyncCall
+    from weightsync.core.wire.sizing import BufferHints, free_memory_bytes
+    from weightsync.tools.models import PolicyFactory
+
+    torch.set_num_threads(1)  # as in a Ray actor of num_cpus=0
+    model = PolicyFactory(args.size, rank)()
+    members = ["trainer", *(f"r{i}" for i in range(1, world))]
+    hints = BufferHints(device="cpu", free_bytes=(free_memory_bytes(torch.device("cpu")) or 0,))
+    barrier = GlooCommunicator("127.0.0.1", port, rank, world, "sweep-barrier", TIMEOUT_S)
+    raw = GlooCommunicator("127.0.0.1", port, rank, world, "sweep-raw", TIMEOUT_S)
+    tensors = [t.detach() for _, t in module_tensors(model)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    endpoints: dict[str, Any] = {}
+    for number, variant in enumerate(args.variants):
+        if variant in ("raw", "per-tensor"):
+            continue
+        settings = settings_of(variant)
+        # The plan depends on shapes and dtypes only: every rank's own policy gives the trainer's.
+        manifest = WeightSender(model).manifest(settings, hints)
+        comm = GlooCommunicator("127.0.0.1", port, rank, world, f"sweep-{number}", TIMEOUT_S)
+        if rank == 0:
+            endpoint: Any = WeightSender(model)
+            endpoint.manifest(settings, hints)
+        else:
+            endpoint = WeightReceiver(model, name=members[rank])
+            endpoint.accept(manifest, timeout_s=TIMEOUT_S)
+        half = (BroadcastSender if rank == 0 else BroadcastReceiver)(comm, endpoint.session, members)
+        if variant.count(":") == 3:
+            half.depth = int(variant.split(":")[3])
+        endpoint.install(half)
+        endpoints[variant] = endpoint
+    times: dict[str, list[float]] = {v: [] for v in args.variants}
+    seq = 0
+    for round_ in range(args.repeats + 1):
+        shift = round_ % len(args.variants)
+        for variant in args.variants[shift:] + args.variants[:shift]:
+            seq += 1
+            barrier.agree(False, time.monotonic() + TIMEOUT_S)
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + TIMEOUT_S
+            if variant == "raw":
+                raw.broadcast(flat, 0).wait(deadline)
+            elif variant == "per-tensor":
+                for tensor in tensors:
+                    raw.broadcast(tensor, 0).wait(deadline)
+            else:
+                call = SyncCall(seq=seq, version=seq)
+                endpoint = endpoints[variant]
+                endpoint.send(call) if rank == 0 else endpoint.receive(call)
+            barrier.agree(False, time.monotonic() + TIMEOUT_S)
+            if round_:  # the first round warms up
+                times[variant].append(time.perf_counter() - t0)
+    for endpoint in endpoints.values():
+        endpoint.close_transports()
+    raw.close()
+    barrier.close()
+    if rank == 0:
+        out.put({v: statistics.median(t) for v, t in times.items()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="100mb", help="a model size of weightsync.tools.models (default 100mb)")
+    parser.add_argument("--receivers", type=int, default=2, help="receiving processes (default 2)")
+    parser.add_argument(
+        "--variants",
+        default="raw,per-tensor,4:2:auto",
+        help="comma-separated: raw, per-tensor, or INPLACE_MIB:NUM_BUFFERS:BUFFER_MIB|auto (default raw,per-tensor,4:2:auto)",
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round (default 7)")
+    args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    for variant in args.variants:
+        if variant not in ("raw", "per-tensor"):
+            settings_of(variant)  # refuses a malformed variant before anything starts
+            if variant.count(":") == 3 and int(variant.split(":")[3]) < 1:
+                parser.error(f"variant {variant}: operations in flight must be at least 1")
+    import torch.distributed as dist
+
+    world = args.receivers + 1
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, use_libuv=True)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, store.port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    medians = out.get(timeout=3600)
+    for p in procs:
+        p.join(60)
+    raw = medians.get("raw")
+    print(f"{args.size}, gloo, {args.receivers} receivers, median of {args.repeats} interleaved rounds")
+    print(f"{'variant (inplace MiB:buffers:buffer MiB[:in flight])':<52} {'median ms':>10} {'raw / it':>9}")
+    for variant, median in medians.items():
+        ratio = f"{raw / median:8.1%}" if raw else "       -"
+        print(f"{variant:<52} {median * 1e3:>10.2f} {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
