@@ -172,6 +172,7 @@ def test_ipc_with_planned_copies_is_bit_exact_across_syncs_when_tensors_move() -
             if seq == 3:
                 kept.append(worker.inner.big.data)
                 worker.inner.big.data = worker.inner.big.data.clone()
+                worker.wide = nn.Parameter(torch.zeros(300, 16))  # a new tensor object under the same name
             call = SyncCall(seq=seq, version=seq + 1, verify=seq == 4)
             sent, got = ipc_sync(sender, receiver, call)
             if call.verify:  # the worker's checksums of what it holds against the trainer's

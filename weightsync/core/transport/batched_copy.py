@@ -162,7 +162,7 @@ class BatchedCopier:
         try:
             import cupy
         except ImportError:
-            log.info("weightsync: CuPy is not installed; direct writes copy tensor by tensor")
+            log.info("weightsync: CuPy is not installed; colocated copies go tensor by tensor")
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
@@ -170,7 +170,7 @@ class BatchedCopier:
                 kernel = cupy.RawKernel(_SOURCE, "weightsync_batched_copy", options=(f"-DWS_THREADS={threads}",))
                 kernel.compile()
         except Exception as exc:  # noqa: BLE001 - the per-tensor path still works; say why it is used
-            log.warning("weightsync: batched copy kernel unavailable (%s); direct writes copy tensor by tensor", exc)
+            log.warning("weightsync: batched copy kernel unavailable (%s); colocated copies go tensor by tensor", exc)
             return None
         return cls(torch.device("cuda", index), kernel, threads, unit_vectors)
 
