@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from weightsync.core.transport.shm import ShmRegion, pid_alive
+from weightsync.core.transport.streams import precise_sleeps
 from weightsync.core.wire.errors import PeerAborted, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import ShmHandle
 
@@ -132,6 +133,8 @@ class ControlBlock:
             spins += 1
             if spins <= 2000:
                 continue
+            if spins == 2001:
+                precise_sleeps()
             now = time.monotonic()
             if now > deadline:
                 blamed = list(late()) if late is not None else []

@@ -15,7 +15,8 @@ rewritten while anyone reads it. On a GPU no side waits on the host per chunk: t
 records an interprocess CUDA event after packing a slot and publishes at once; a consumer's
 stream waits on it, unpacks, records its own event and acknowledges; the producer's stream
 waits on every consumer's event before packing that slot again. Each side synchronizes
-once, at the end of a sync.
+once, at the end of a sync. With CuPy, packing and unpacking a chunk are one launch of the
+batched copy kernel each (:mod:`weightsync.core.transport.slot_copies`).
 
 Both halves are made from their party's Session: the consumers name the trainer party that
 serves them (``session.server``) when it fails or is late. ``IpcSender.pack_slot`` and
