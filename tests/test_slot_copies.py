@@ -20,7 +20,7 @@ from tests.test_verify import ipc_sync
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
-from weightsync.core.packing import ChunkUnpacker
+from weightsync.core.packing import ChunkUnpacker, pack_chunk
 from weightsync.core.sinks import module_tensors
 from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, batched_rows, plan_key
 from weightsync.core.transport.ipc import IpcReceiver, IpcSender
@@ -85,9 +85,9 @@ def _round_trip(device: str, copier: BatchedCopier) -> None:
             with torch.no_grad():
                 tensor.copy_(random_tensor(tuple(tensor.shape), tensor.dtype, seed * 100 + i).to(device))
         order = list(sources.values())
-        packing.begin(plan_key(order))
+        packs = packing.begin(plan_key(order))
         destinations = [out[s.name] if s.name != "odd" else None for s in manifest.specs]
-        unpacking.begin(destinations)
+        unpacks = unpacking.begin(destinations)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, keeps_references=False)
         handed: dict[str, torch.Tensor] = {}
         for chunk in manifest.chunks:
@@ -95,8 +95,15 @@ def _round_trip(device: str, copier: BatchedCopier) -> None:
             buffer = slots[slot * 4096 : (slot + 1) * 4096]
             buffer.fill_(0xAB)
             stream = torch.cuda.current_stream() if device == "cuda" else None
-            packing.pack(chunk, slot, buffer, order, stream)
-            for name, tensor in unpacking.unpack(chunk, slot, buffer, destinations, unpacker, stream):
+            if packs:
+                packing.pack(chunk, slot, buffer, order, stream)
+            else:
+                pack_chunk(chunk, manifest.specs, order, buffer)
+            if unpacks:
+                got = unpacking.unpack(chunk, slot, buffer, destinations, unpacker, stream)
+            else:
+                got = unpacker.unpack(chunk, buffer)
+            for name, tensor in got:
                 handed[name] = tensor.clone()
         unpacker.finish()
         seq += 1
@@ -104,22 +111,27 @@ def _round_trip(device: str, copier: BatchedCopier) -> None:
             got = handed[spec.name] if spec.name == "odd" else out[spec.name]
             assert_bit_equal(got, sources[spec.name].to(spec.torch_dtype), f"sync {seq}: {spec.name}")
 
-    n = 2 * len(manifest.chunks)  # (chunk, slot) pairs
+    n = len(manifest.chunks)  # plans one sync makes: (chunk, slot) alternates between syncs
     sync(1)
+    assert (packing.built, unpacking.built) == (0, 0), "a first sync copies tensor by tensor"
     sync(2)
-    assert (packing.built, unpacking.built) == (n, n), "every (chunk, slot) planned once"
     sync(3)
-    assert (packing.built, unpacking.built) == (n, n), "nothing moved: every plan is reused"
+    assert (packing.built, unpacking.built) == (2 * n, 2 * n), "every (chunk, slot) planned once"
+    sync(4)
+    assert (packing.built, unpacking.built) == (2 * n, 2 * n), "nothing moved: every plan is reused"
     kept.append(sources["aligned"])
     sources["aligned"] = sources["aligned"].clone()  # the trainer's tensor gets new storage
-    sync(4)
     sync(5)
-    assert (packing.built, unpacking.built) == (2 * n, n), "a moved source replans the producer only"
-    kept.append(out["big"])
-    out["big"] = torch.zeros_like(out["big"])  # the worker's tensor gets new storage
+    assert (packing.built, unpacking.built) == (2 * n, 2 * n), "a moved source: that sync packs tensor by tensor"
     sync(6)
     sync(7)
-    assert (packing.built, unpacking.built) == (2 * n, 2 * n), "a moved destination replans the consumer only"
+    assert (packing.built, unpacking.built) == (4 * n, 2 * n), "then the producer plans again, alone"
+    kept.append(out["big"])
+    out["big"] = torch.zeros_like(out["big"])  # the worker's tensor gets new storage
+    sync(8)
+    sync(9)
+    sync(10)
+    assert (packing.built, unpacking.built) == (4 * n, 4 * n), "a moved destination replans the consumer only"
 
 
 def test_planned_slot_copies_stay_bit_exact_as_tensors_move() -> None:
@@ -135,7 +147,8 @@ def test_pieces_the_kernel_cannot_take_are_copied_otherwise() -> None:
     manifest = Manifest.build(specs, buffer_bytes=1 << 16, num_buffers=1)
     [chunk] = manifest.chunks
     plans = PackPlans(HostCopier(), manifest.specs)
-    plans.begin(plan_key(list(sources.values())))
+    assert not plans.begin(plan_key(list(sources.values())))
+    assert plans.begin(plan_key(list(sources.values())))
     buffer = torch.zeros(1 << 16, dtype=torch.uint8)
     plans.pack(chunk, 0, buffer, list(sources.values()), None)
     [plan] = plans._plans.values()
@@ -164,7 +177,7 @@ def test_ipc_with_planned_copies_is_bit_exact_across_syncs_when_tensors_move() -
         send_half, receive_half = sender.half("ipc"), receiver.half("ipc")
         assert isinstance(send_half, IpcSender) and isinstance(receive_half, IpcReceiver)
         send_half.copier, receive_half.copier = HostCopier(), HostCopier()
-        for seq in range(5):
+        for seq in range(8):
             perturb(trainer, seq + 10)
             if seq == 2:
                 kept.append(trainer.wide.data)
@@ -173,7 +186,7 @@ def test_ipc_with_planned_copies_is_bit_exact_across_syncs_when_tensors_move() -
                 kept.append(worker.inner.big.data)
                 worker.inner.big.data = worker.inner.big.data.clone()
                 worker.wide = nn.Parameter(torch.zeros(300, 16))  # a new tensor object under the same name
-            call = SyncCall(seq=seq, version=seq + 1, verify=seq == 4)
+            call = SyncCall(seq=seq, version=seq + 1, verify=seq == 7)
             sent, got = ipc_sync(sender, receiver, call)
             if call.verify:  # the worker's checksums of what it holds against the trainer's
                 receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))

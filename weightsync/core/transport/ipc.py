@@ -235,13 +235,13 @@ class IpcSender(SendHalf):
 
     def _pack_plans(self, sources: Sources) -> PackPlans | None:
         """This sync's batched packing, or None (no copier; sources made as they are read,
-        or without a key, have no stable addresses to plan on)."""
+        or without a key, have no stable addresses to plan on; sources that moved since the
+        last sync, see :meth:`PackPlans.begin`)."""
         if self.copier is None or sources.streamed or sources.key is None:
             return None
         if self._plans is None or self._plans.copier is not self.copier:
             self._plans = PackPlans(self.copier, self.manifest.specs)
-        self._plans.begin(sources.key)
-        return self._plans
+        return self._plans if self._plans.begin(sources.key) else None
 
     def _await_acks(self, need: int, deadline: float, waiting: int, what: str) -> None:
         control, export = self._ctl()
@@ -449,8 +449,8 @@ class IpcReceiver(ReceiveHalf):
         if self.copier is not None:
             if self._plans is None or self._plans.copier is not self.copier:
                 self._plans = UnpackPlans(self.copier, self.manifest.specs)
-            self._plans.begin(destinations)
-            plans = (self._plans, destinations)
+            if self._plans.begin(destinations):
+                plans = (self._plans, destinations)
         checksums: list[int] = []
         for chunk in self.manifest.chunks:
             g = base + chunk.index

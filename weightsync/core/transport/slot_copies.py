@@ -13,10 +13,14 @@ dtype, a piece the worker's sink wants handed to it).
 A plan holds addresses only. The producer's plans depend on the sources' :func:`plan_key`
 (the sender hands the same key object over while nothing moved), the consumer's on its
 destinations' addresses, shapes, strides and dtypes, both on the slots (fixed for the
-session). Any change drops every plan of that side; the next chunks are planned again.
+session). Any change drops every plan of that side, and that sync copies tensor by tensor as without
+the kernel; the plans are made in the next sync that finds the tensors where they were. So
+the first sync of a session copies tensor by tensor, the second makes the tables (one
+blocking upload per chunk and slot), and tensors that move every sync never pay for tables.
 
-Call order, per sync: ``plans.begin(...)`` once, then ``plans.pack(...)`` /
-``plans.unpack(...)`` per chunk on the stream that orders the chunk's work.
+Call order, per sync: ``use = plans.begin(...)`` once, then, when ``use``,
+``plans.pack(...)`` / ``plans.unpack(...)`` per chunk on the stream that orders the chunk's
+work (else the per-tensor ``pack_chunk`` / ``ChunkUnpacker.unpack``).
 """
 
 from __future__ import annotations
@@ -91,12 +95,16 @@ class PackPlans:
         #: Plans built since this object was made (instrumentation and tests).
         self.built = 0
 
-    def begin(self, key: object) -> None:
-        """Start a sync whose sources have :func:`plan_key` ``key``: a different key (a
-        tensor moved, or changed shape, strides or dtype) drops every plan."""
-        if key is not self._key and key != self._key:
-            self._plans.clear()
-            self._key = key
+    def begin(self, key: object) -> bool:
+        """Start a sync whose sources have :func:`plan_key` ``key``; True when it packs
+        through the plans. A different key than last sync's (a tensor moved, or changed
+        shape, strides or dtype) drops every plan and answers False: the caller packs this
+        sync tensor by tensor, so sources that move every sync never pay for tables."""
+        if key is self._key or key == self._key:
+            return True
+        self._plans.clear()
+        self._key = key
+        return False
 
     def clear(self) -> None:
         """Drop every plan (the slots they point into are going away)."""
@@ -154,13 +162,17 @@ class UnpackPlans:
         #: Plans built since this object was made (instrumentation and tests).
         self.built = 0
 
-    def begin(self, destinations: Sequence[torch.Tensor | None]) -> None:
-        """Start a sync into ``destinations`` (per spec; None: handed to the sink): any
-        change of address, shape, strides or dtype since the last sync drops every plan."""
+    def begin(self, destinations: Sequence[torch.Tensor | None]) -> bool:
+        """Start a sync into ``destinations`` (per spec; None: handed to the sink); True when
+        it unpacks through the plans. Any change of address, shape, strides or dtype since
+        the last sync drops every plan and answers False (this sync unpacks tensor by
+        tensor, as for :meth:`PackPlans.begin`)."""
         key = destination_key(destinations)
-        if key != self._key:
-            self._plans.clear()
-            self._key = key
+        if key == self._key:
+            return True
+        self._plans.clear()
+        self._key = key
+        return False
 
     def clear(self) -> None:
         """Drop every plan (the slots they point into are going away)."""
