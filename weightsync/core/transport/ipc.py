@@ -106,6 +106,7 @@ class IpcSender(SendHalf):
         self._slots = make_region(nbuf * size, self.device, tag="slots")
         self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
         self._control[_PRODUCER_PID] = os.getpid()
+        self._control.precise = self.streams.is_cuda
         packed: tuple[bytes, ...] = ()
         freed: tuple[tuple[bytes, ...], ...] = ()
         if self.streams.is_cuda:
@@ -336,6 +337,7 @@ class IpcReceiver(ReceiveHalf):
                 torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.freed_events[consumer_index]
             ]
         control[_pid_word(consumer_index)] = os.getpid()
+        control.precise = self._slots.device.type == "cuda"
         self._control = control
         self._export = export
         self._index = consumer_index
