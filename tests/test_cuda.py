@@ -266,10 +266,10 @@ class DiesMidReceive(GpuWorker):
 
             inner = ChunkUnpacker.unpack
 
-            def unpack(unpacker: Any, chunk: Any, buffer: torch.Tensor) -> Any:
+            def unpack(unpacker: Any, chunk: Any, buffer: torch.Tensor, **batched: Any) -> Any:
                 if chunk.index == 2:
                     os._exit(3)
-                return inner(unpacker, chunk, buffer)
+                return inner(unpacker, chunk, buffer, **batched)
 
             ChunkUnpacker.unpack = unpack  # type: ignore[method-assign]
         return super().ws_receive(call)

@@ -4,9 +4,12 @@ from outcomes, the control block and its deadlines, and the layering rules."""
 from __future__ import annotations
 
 import ast
+import ctypes
 import math
 import os
 import pickle
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +180,40 @@ def test_control_block_times_out_blaming_the_late_party_and_notices_a_dead_peer(
             block.wait(lambda: False, time.monotonic() + 60, "trainer", lambda: "w0", ["trainer"], peer_pid=lambda: pid)
     finally:
         block.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is Linux's")
+def test_a_gpu_transports_wait_that_sleeps_shortens_its_own_threads_timer_slack_only(no_shm_leftovers: None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    slack: dict[str, int] = {}
+
+    def waiter() -> None:
+        libc.prctl(29, 50_000, 0, 0, 0)  # PR_SET_TIMERSLACK: Linux's default, whatever was inherited
+        slack["before"] = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+        block = ControlBlock.create(1, tag="test")
+        block.precise = True  # as the GPU transports set it
+        try:
+            with pytest.raises(TransferTimeout):  # long enough to leave the spinning and sleep
+                block.wait(lambda: False, time.monotonic() + 0.05, "trainer", lambda: "w0", ["trainer"])
+        finally:
+            block.close()
+        slack["after"] = libc.prctl(30, 0, 0, 0, 0)
+
+    mine = libc.prctl(30, 0, 0, 0, 0)
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    thread.join(30)
+    assert slack == {"before": 50_000, "after": 1}
+    assert libc.prctl(30, 0, 0, 0, 0) == mine, "another thread's slack must not change"
+    cpu = ControlBlock.create(1, tag="test")  # a CPU transport's block leaves the slack alone
+    try:
+        libc.prctl(29, 50_000, 0, 0, 0)
+        with pytest.raises(TransferTimeout):
+            cpu.wait(lambda: False, time.monotonic() + 0.05, "trainer", lambda: "w0", ["trainer"])
+        assert libc.prctl(30, 0, 0, 0, 0) == 50_000
+    finally:
+        libc.prctl(29, mine, 0, 0, 0)
+        cpu.close()
 
 
 def test_deadlines_let_the_leader_fail_first_and_the_coordinator_last() -> None:

@@ -20,13 +20,13 @@ This module imports no transport and no Ray.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
 from weightsync.core.wire.errors import ManifestError
 from weightsync.core.wire.manifest import TensorSpec
-from weightsync.core.wire.plan import Chunk
+from weightsync.core.wire.plan import Chunk, ChunkPiece
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,17 +54,20 @@ def pack_chunk(
     its source must be (or is made) contiguous in the wire dtype.
     """
     for piece in chunk.pieces:
-        if piece.nbytes == 0:
-            continue
-        spec = specs[piece.spec_index]
-        source = sources[piece.spec_index]
-        if piece.nbytes == spec.nbytes:
-            typed_view(buffer, piece.buffer_offset, spec).copy_(source)
-        else:
-            flat = as_bytes(source.to(spec.torch_dtype).contiguous())
-            buffer[piece.buffer_offset : piece.buffer_offset + piece.nbytes].copy_(
-                flat[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
-            )
+        pack_piece(piece, specs[piece.spec_index], sources[piece.spec_index], buffer)
+
+
+def pack_piece(piece: ChunkPiece, spec: TensorSpec, source: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Copy one piece of a chunk from its tensor ``source`` into ``buffer`` (see :func:`pack_chunk`)."""
+    if piece.nbytes == 0:
+        return
+    if piece.nbytes == spec.nbytes:
+        typed_view(buffer, piece.buffer_offset, spec).copy_(source)
+    else:
+        flat = as_bytes(source.to(spec.torch_dtype).contiguous())
+        buffer[piece.buffer_offset : piece.buffer_offset + piece.nbytes].copy_(
+            flat[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
+        )
 
 
 def byte_checksum(buffer: torch.Tensor, nbytes: int) -> int:
@@ -145,10 +148,17 @@ class ChunkUnpacker:
         self._partial: dict[int, torch.Tensor] = {}
         self._received: dict[int, int] = {}
 
-    def unpack(self, chunk: Chunk, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def unpack(self, chunk: Chunk, buffer: torch.Tensor, copied: Container[int] = ()) -> list[tuple[str, torch.Tensor]]:
+        """Copy or hand out every piece of ``chunk`` from ``buffer``; the pieces at positions
+        in ``copied`` (into their destinations) were copied by the caller already and are only
+        counted towards their tensors."""
         handed: list[tuple[str, torch.Tensor]] = []
-        for piece in chunk.pieces:
+        for position, piece in enumerate(chunk.pieces):
             spec = self._specs[piece.spec_index]
+            if position in copied:
+                if piece.nbytes != spec.nbytes:
+                    self._count(piece, spec)
+                continue
             dest = self._destination(piece.spec_index)
             if piece.nbytes == spec.nbytes:
                 view = typed_view(buffer, piece.buffer_offset, spec)
@@ -165,15 +175,20 @@ class ChunkUnpacker:
                     self._partial[piece.spec_index] = target
             src = buffer[piece.buffer_offset : piece.buffer_offset + piece.nbytes]
             as_bytes(target)[piece.tensor_offset : piece.tensor_offset + piece.nbytes].copy_(src)
-            got = self._received.get(piece.spec_index, 0) + piece.nbytes
-            if got < spec.nbytes:
-                self._received[piece.spec_index] = got
-                continue
-            self._received.pop(piece.spec_index, None)
-            assembled = self._partial.pop(piece.spec_index, None)
-            if assembled is not None:
-                handed.append((spec.name, assembled))
+            if self._count(piece, spec):
+                assembled = self._partial.pop(piece.spec_index, None)
+                if assembled is not None:
+                    handed.append((spec.name, assembled))
         return handed
+
+    def _count(self, piece: ChunkPiece, spec: TensorSpec) -> bool:
+        """Count a split tensor's piece as received; True once the whole tensor is."""
+        got = self._received.get(piece.spec_index, 0) + piece.nbytes
+        if got < spec.nbytes:
+            self._received[piece.spec_index] = got
+            return False
+        self._received.pop(piece.spec_index, None)
+        return True
 
     def finish(self) -> None:
         if self._received:

@@ -138,6 +138,9 @@ class ModuleSink:
         self._by_name: dict[str, torch.Tensor] = {}
         self._order: list[torch.Tensor] = []
         self._paths: TensorPaths | None = None  # how _order was reached, for direct syncs
+        # How _by_name was reached, and for which manifest, for syncs into destinations.
+        self._held_paths: TensorPaths | None = None
+        self._held_for: Manifest | None = None
 
     def held(self) -> dict[str, torch.Tensor]:
         return dict(module_tensors(self.module))
@@ -157,12 +160,18 @@ class ModuleSink:
         return [TensorSpec.of(name, tensor) for name, tensor in held]
 
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
-        self._by_name = self.held()
-        missing = [spec.name for spec in manifest.specs if spec.name not in self._by_name]
-        if missing:
-            raise ModelChangedError(
-                f"tensors of the manifest no longer in the model: {', '.join(missing)}; run setup() again"
-            )
+        # The module tree is walked again only when a link to a tensor changed (a walk costs
+        # more per sync than a small model's copies); dtypes and shapes are checked every time.
+        paths = self._held_paths
+        if self._held_for is not manifest or paths is None or not paths.unchanged():
+            self._held_paths = self._held_for = None
+            self._by_name = self.held()
+            missing = [spec.name for spec in manifest.specs if spec.name not in self._by_name]
+            if missing:
+                raise ModelChangedError(
+                    f"tensors of the manifest no longer in the model: {', '.join(missing)}; run setup() again"
+                )
+            self._held_paths, self._held_for = TensorPaths(self.module, manifest.names), manifest
         self._order = [self._by_name[spec.name] for spec in manifest.specs]
         _check_held(manifest, self._order)
         return [t.data if t.is_contiguous() else None for t in self._order]

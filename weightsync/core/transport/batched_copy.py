@@ -76,6 +76,24 @@ def _batchable(destination: torch.Tensor, source: torch.Tensor, nbytes: int) -> 
     )
 
 
+def batched_rows(
+    destinations: Sequence[torch.Tensor | None], sources: Sequence[torch.Tensor]
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The kernel's rows (source address, destination address, 16-byte vectors) for the
+    pairs it can take, and the indices of the other pairs (None destinations are neither)."""
+    rows: list[tuple[int, int, int]] = []
+    leftovers: list[int] = []
+    for index, (destination, source) in enumerate(zip(destinations, sources)):
+        if destination is None:
+            continue
+        nbytes = destination.numel() * destination.element_size()
+        if _batchable(destination, source, nbytes):
+            rows.append((source.data_ptr(), destination.data_ptr(), nbytes // _VECTOR))
+        else:
+            leftovers.append(index)
+    return rows, leftovers
+
+
 PlanKey = list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]
 
 
@@ -144,7 +162,7 @@ class BatchedCopier:
         try:
             import cupy
         except ImportError:
-            log.info("weightsync: CuPy is not installed; direct writes copy tensor by tensor")
+            log.info("weightsync: CuPy is not installed; colocated copies go tensor by tensor")
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
@@ -152,7 +170,7 @@ class BatchedCopier:
                 kernel = cupy.RawKernel(_SOURCE, "weightsync_batched_copy", options=(f"-DWS_THREADS={threads}",))
                 kernel.compile()
         except Exception as exc:  # noqa: BLE001 - the per-tensor path still works; say why it is used
-            log.warning("weightsync: batched copy kernel unavailable (%s); direct writes copy tensor by tensor", exc)
+            log.warning("weightsync: batched copy kernel unavailable (%s); colocated copies go tensor by tensor", exc)
             return None
         return cls(torch.device("cuda", index), kernel, threads, unit_vectors)
 
@@ -168,16 +186,7 @@ class BatchedCopier:
         sources whose :func:`plan_key` equals ``plan.key`` (so those addresses are live).
         ``key``, when the caller already computed it, is ``plan_key(sources)``.
         """
-        rows: list[tuple[int, int, int]] = []
-        leftovers: list[int] = []
-        for index, (destination, source) in enumerate(zip(destinations, sources)):
-            if destination is None:
-                continue
-            nbytes = destination.numel() * destination.element_size()
-            if _batchable(destination, source, nbytes):
-                rows.append((source.data_ptr(), destination.data_ptr(), nbytes // _VECTOR))
-            else:
-                leftovers.append(index)
+        rows, leftovers = batched_rows(destinations, sources)
         table = table_view = None
         blocks = 0
         if rows:
@@ -209,6 +218,17 @@ class BatchedCopier:
         stream: torch.cuda.Stream,
     ) -> None:
         """Queue every copy of ``plan`` on ``stream`` (see :meth:`plan` for what it needs)."""
+        self.launch(plan, stream)
+        if plan.leftovers:
+            with torch.cuda.stream(stream):
+                for index in plan.leftovers:
+                    destinations[index].copy_(sources[index])  # type: ignore[union-attr]
+
+    def launch(self, plan: CopyPlan, stream: torch.cuda.Stream | None) -> None:
+        """Queue only the kernel's copies of ``plan`` on ``stream`` (its leftovers are the
+        caller's to copy, on the same stream)."""
+        if stream is None:
+            raise ValueError("the batched copy kernel runs on a CUDA stream, got none")
         if plan.table_view is not None:
             import cupy
 
@@ -218,7 +238,3 @@ class BatchedCopier:
                     (self.threads,),
                     (plan.table_view, np.int32(plan.rows), np.uint64(plan.unit_vectors)),
                 )
-        if plan.leftovers:
-            with torch.cuda.stream(stream):
-                for index in plan.leftovers:
-                    destinations[index].copy_(sources[index])  # type: ignore[union-attr]

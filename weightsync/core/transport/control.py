@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from weightsync.core.transport.shm import ShmRegion, pid_alive
+from weightsync.core.transport.streams import precise_sleeps
 from weightsync.core.wire.errors import PeerAborted, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import ShmHandle
 
@@ -53,6 +54,11 @@ class ControlBlock:
         self._region = region
         #: This side's current sync (seq + 1; 0: no sync started, every abort counts).
         self.epoch = 0
+        #: Whether a wait that falls back to sleeping shortens its thread's timer slack
+        #: (:func:`~weightsync.core.transport.streams.precise_sleeps`): set by the GPU
+        #: transports, whose copies leave the host idle; on a CPU the more frequent
+        #: wake-ups would take time from the peer doing the copying.
+        self.precise = False
 
     @classmethod
     def create(cls, nwords: int, tag: str) -> ControlBlock:
@@ -132,6 +138,8 @@ class ControlBlock:
             spins += 1
             if spins <= 2000:
                 continue
+            if spins == 2001 and self.precise:
+                precise_sleeps()
             now = time.monotonic()
             if now > deadline:
                 blamed = list(late()) if late is not None else []

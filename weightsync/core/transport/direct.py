@@ -128,6 +128,7 @@ class DirectTarget(ReceiveHalf):
         self._region = region
         self._control = ControlBlock.create(_first_checksum(len(self.writers)) + len(self.manifest.specs), tag="dctl")
         self._control[_TARGET_PID] = os.getpid()
+        self._control.precise = self.device.type == "cuda"
         self._layout = [
             (pointer, torch.Size(spec.shape), spec.torch_dtype) for pointer, spec in zip(pointers, self.manifest.specs)
         ]
@@ -301,6 +302,7 @@ class DirectWriter(SendHalf):
         region = importer.map(export.region)
         control = ControlBlock.attach(importer.map(export.control), self.name, export.control.path)
         control[_writer_pid(self.writer)] = os.getpid()
+        control.precise = self.device.type == "cuda"
         # Views made once per mapping: a sync is then only the copies.
         whole = [
             typed_view(region, offset, spec) if spec.nbytes else None

@@ -15,7 +15,8 @@ rewritten while anyone reads it. On a GPU no side waits on the host per chunk: t
 records an interprocess CUDA event after packing a slot and publishes at once; a consumer's
 stream waits on it, unpacks, records its own event and acknowledges; the producer's stream
 waits on every consumer's event before packing that slot again. Each side synchronizes
-once, at the end of a sync.
+once, at the end of a sync. With CuPy, packing and unpacking a chunk are one launch of the
+batched copy kernel each (:mod:`weightsync.core.transport.slot_copies`).
 
 Both halves are made from their party's Session: the consumers name the trainer party that
 serves them (``session.server``) when it fails or is late. ``IpcSender.pack_slot`` and
@@ -35,9 +36,11 @@ import numpy as np
 import torch
 
 from weightsync.core.packing import ChunkUnpacker, byte_checksum, pack_chunk
-from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources, unpacker_for
+from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
+from weightsync.core.transport.batched_copy import BatchedCopier
 from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
+from weightsync.core.transport.slot_copies import PackPlans, UnpackPlans
 from weightsync.core.transport.streams import SlotStreams, wait_for_stream
 from weightsync.core.wire.errors import ChecksumMismatch, WeightSyncError
 from weightsync.core.wire.messages import IpcExport, SyncCall
@@ -87,6 +90,9 @@ class IpcSender(SendHalf):
         self._export: IpcExport | None = None
         self._packed: list[torch.cuda.Event] = []
         self._freed: list[list[torch.cuda.Event]] = []
+        #: Packs each chunk in one kernel launch (None: one ``copy_`` per tensor; off CUDA or without CuPy).
+        self.copier: BatchedCopier | None = BatchedCopier.create(device)
+        self._plans: PackPlans | None = None
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -100,6 +106,7 @@ class IpcSender(SendHalf):
         self._slots = make_region(nbuf * size, self.device, tag="slots")
         self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
         self._control[_PRODUCER_PID] = os.getpid()
+        self._control.precise = self.streams.is_cuda
         packed: tuple[bytes, ...] = ()
         freed: tuple[tuple[bytes, ...], ...] = ()
         if self.streams.is_cuda:
@@ -138,13 +145,20 @@ class IpcSender(SendHalf):
         return self._slots.tensor[slot * size : (slot + 1) * size]
 
     def _enqueue_pack(
-        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool, after: Sequence[int] = ()
+        self,
+        chunk_index: int,
+        slot: int,
+        sources: Sequence[torch.Tensor],
+        verify: bool,
+        after: Sequence[int] = (),
+        plans: PackPlans | None = None,
     ) -> int | None:
         """Queue chunk ``chunk_index``'s copies into ``slot`` on the slot's stream.
 
         The stream first waits for the caller's stream (parameters it is still writing) and,
         on a GPU, for the ``after`` consumers' last unpack of this slot. Returns the checksum
-        when ``verify`` (which waits for the copies on the host).
+        when ``verify`` (which waits for the copies on the host). ``plans``: pack through
+        the batched kernel (sources whose key the plans began this sync with).
         """
         if not 0 <= chunk_index < len(self.manifest.chunks):
             raise WeightSyncError(
@@ -159,7 +173,10 @@ class IpcSender(SendHalf):
             if stream is not None:
                 for consumer in after:
                     stream.wait_event(self._freed[consumer][slot])
-            pack_chunk(chunk, self.manifest.specs, sources, buffer)
+            if plans is None:
+                pack_chunk(chunk, self.manifest.specs, sources, buffer)
+            else:
+                plans.pack(chunk, slot, buffer, sources, stream)
             checksum = byte_checksum(buffer, chunk.nbytes) if verify else None
             if stream is not None and self._packed:
                 self._packed[slot].record(stream)
@@ -197,12 +214,13 @@ class IpcSender(SendHalf):
                 f"{self.name}: IPC session out of step (published {control[_PUBLISHED]}, expected {base}); "
                 "run setup() again"
             )
+        plans = self._pack_plans(sources)
         for chunk in self.manifest.chunks:
             g = base + chunk.index
             slot = g % nbuf
             self._await_acks(g - nbuf + 1, deadline, g + 1, f"release slot {slot} before chunk {chunk.index}")
             after = consumers if g >= nbuf else ()
-            checksum = self._enqueue_pack(chunk.index, slot, sources.tensors, call.verify, after=after)
+            checksum = self._enqueue_pack(chunk.index, slot, sources.tensors, call.verify, after, plans)
             if checksum is not None:
                 checksums.append(checksum)
                 control[_checksum_word(export.num_consumers, slot)] = _as_word(checksum)
@@ -215,6 +233,16 @@ class IpcSender(SendHalf):
         if self._control is None or self._export is None:
             raise WeightSyncError(f"{self.name}: no IPC export is open; run setup()")
         return self._control, self._export
+
+    def _pack_plans(self, sources: Sources) -> PackPlans | None:
+        """This sync's batched packing, or None (no copier; sources made as they are read,
+        or without a key, have no stable addresses to plan on; sources that moved since the
+        last sync, see :meth:`PackPlans.begin`)."""
+        if self.copier is None or sources.streamed or sources.key is None:
+            return None
+        if self._plans is None or self._plans.copier is not self.copier:
+            self._plans = PackPlans(self.copier, self.manifest.specs)
+        return self._plans if self._plans.begin(sources.key) else None
 
     def _await_acks(self, need: int, deadline: float, waiting: int, what: str) -> None:
         control, export = self._ctl()
@@ -262,6 +290,7 @@ class IpcSender(SendHalf):
         self._slots = self._control = None
         self._export = None
         self._packed, self._freed = [], []
+        self._plans = None
 
 
 class IpcReceiver(ReceiveHalf):
@@ -284,6 +313,9 @@ class IpcReceiver(ReceiveHalf):
         self._control: ControlBlock | None = None
         self._packed: list[torch.cuda.Event] = []
         self._freed: list[torch.cuda.Event] = []
+        #: Unpacks each chunk in one kernel launch (None: one ``copy_`` per tensor; off CUDA or without CuPy).
+        self.copier: BatchedCopier | None = BatchedCopier.create(device)
+        self._plans: UnpackPlans | None = None
 
     def attach(self, export: IpcExport, consumer_index: int) -> None:
         if not 0 <= consumer_index < export.num_consumers:
@@ -305,6 +337,7 @@ class IpcReceiver(ReceiveHalf):
                 torch.cuda.Event.from_ipc_handle(self._slots.device, h) for h in export.freed_events[consumer_index]
             ]
         control[_pid_word(consumer_index)] = os.getpid()
+        control.precise = self._slots.device.type == "cuda"
         self._control = control
         self._export = export
         self._index = consumer_index
@@ -362,15 +395,20 @@ class IpcReceiver(ReceiveHalf):
         deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
         verify: bool,
         expected: int | None,
+        plans: tuple[UnpackPlans, list[torch.Tensor | None]] | None = None,
     ) -> int | None:
         """Queue chunk ``chunk_index``'s copies out of ``slot`` on this process's stream
-        (after the producer's packing event, on a GPU), then record this consumer's event."""
+        (after the producer's packing event, on a GPU), then record this consumer's event.
+        ``plans``: unpack through the batched kernel into these destinations."""
         chunk = self.manifest.chunks[chunk_index]
         buffer = self._slot(slot)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._packed:
             stream.wait_event(self._packed[slot])
-        handed = unpacker.unpack(chunk, buffer)
+        if plans is None:
+            handed = unpacker.unpack(chunk, buffer)
+        else:
+            handed = plans[0].unpack(chunk, slot, buffer, plans[1], unpacker, stream)
         if handed:
             deliver(handed)
         checksum = None
@@ -407,7 +445,14 @@ class IpcReceiver(ReceiveHalf):
             raise WeightSyncError(
                 f"{self.name}: IPC session out of step (acknowledged {control[me]}, expected {base}); run setup() again"
             )
-        unpacker = unpacker_for(self.manifest, sink)
+        destinations = sink.destinations(self.manifest)
+        unpacker = ChunkUnpacker(self.manifest.specs, destinations.__getitem__, sink.keeps_references)
+        plans = None
+        if self.copier is not None:
+            if self._plans is None or self._plans.copier is not self.copier:
+                self._plans = UnpackPlans(self.copier, self.manifest.specs)
+            if self._plans.begin(destinations):
+                plans = (self._plans, destinations)
         checksums: list[int] = []
         for chunk in self.manifest.chunks:
             g = base + chunk.index
@@ -423,7 +468,7 @@ class IpcReceiver(ReceiveHalf):
             if chunk.index == 0:
                 begin()
             expected = _from_word(control[csum_at + g % nbuf]) if call.verify else None
-            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, call.verify, expected)
+            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, call.verify, expected, plans)
             if got is not None:
                 checksums.append(got)
             control[me] = g + 1
@@ -446,4 +491,5 @@ class IpcReceiver(ReceiveHalf):
         self._control = None
         self._export = None
         self._packed, self._freed = [], []
+        self._plans = None
         self.importer.release_all()
