@@ -159,7 +159,7 @@ def test_pack_tensors_and_unpack_tensor_keep_vllms_call_and_meaning() -> None:
     # "f" starts at byte 30, not a multiple of 4: vLLM's version raised here.
     for (name, tensor), (_, original) in zip(out, items):
         assert_bit_equal(tensor, original, name)
-    with pytest.warns(UserWarning, match="'g' is 200 bytes"):  # oversize: one chunk, as vLLM sends it
+    with pytest.warns(UserWarning, match="'g' has size 200 bytes"):  # oversize: one chunk, as vLLM sends it
         second = pack_tensors(it, lambda item: item[1].to(torch.bfloat16), buffer_size_bytes=40)
     assert second is not None and second.names == ["g"] and second.dtypes == [torch.bfloat16]
     assert pack_tensors(it, lambda item: item[1], 40) is None

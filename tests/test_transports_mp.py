@@ -195,7 +195,7 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         t0 = time.monotonic()
         sources = [t for _, t in WeightSender(model).named_tensors()]
         with pytest.raises(TransferTimeout) as info:
-            sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 30.0)
+            sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 5.0)
         text = str(info.value)
         assert "rank 0" in text and "timeout_s" in text, text
         assert time.monotonic() - t0 < 60  # bounded by the timeout, not a hang
@@ -211,12 +211,17 @@ def _join_and_idle(port: int, queue, ready) -> None:  # type: ignore[no-untyped-
     comm.close()
 
 
+#: Long enough that an abort seen by the peer is told apart from the group timing out.
+ABORT_OP_TIMEOUT_S = 8.0
+
+
 def _wait_for_rank_0(port: int, ready, queue) -> None:  # type: ignore[no-untyped-def]
     """Rank 1: joins, then waits (for up to the op timeout) on a broadcast from rank 0 that
     rank 0 never sends; reports the error class and text it ended with."""
     try:
         ready.put("joining")
-        comm = GlooCommunicator("127.0.0.1", port, 1, 2, "abort", 30.0)
+        # A short op timeout: this process's exit waits for its dropped group that long.
+        comm = GlooCommunicator("127.0.0.1", port, 1, 2, "abort", ABORT_OP_TIMEOUT_S)
         ready.put("joined")
         try:
             comm.broadcast(torch.zeros(16), 0).wait(time.monotonic() + 30.0)
@@ -239,7 +244,7 @@ def test_a_rank_aborting_while_it_waits_on_a_live_peer_fails_that_peer_by_abort_
     child.start()
     try:
         assert ready.get(timeout=120) == "joining"
-        comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "abort", 30.0, store=store)
+        comm = GlooCommunicator("127.0.0.1", store.port, 0, 2, "abort", ABORT_OP_TIMEOUT_S, store=store)
         assert ready.get(timeout=120) == "joined"
         # Rank 0 waits on a broadcast from rank 1, which rank 1 never sends, then fails.
         pending = comm.broadcast(torch.zeros(16), 1)
