@@ -199,6 +199,28 @@ def test_every_rank_writes_its_rows_into_colocated_workers_with_no_gather(two: d
         assert_synced(ranks, mine)
 
 
+def test_owner_writes_with_verify_name_a_rank_whose_replica_differs(two: dict[str, Any]) -> None:
+    ranks, worker = two["ranks"], two["workers"]["d0"]
+    with WeightSync(ranks, {"d0": worker}, transport="owner-writes", timeout_s=30) as ws:
+        ws.sync(13, verify=True)
+        # The plain buffer ``scale`` is written whole by rank index % 2: rank 1 here.
+        assert ws.manifest.names.index("scale") % len(ranks) == 1  # type: ignore[union-attr]
+        assert get(ranks[1].call.remote(fm.skew_scale)), "scale must be a plain (replicated) tensor"
+        try:
+            with pytest.raises(SyncError) as failed:
+                ws.sync(14, verify=True)
+            err = failed.value
+            # Rank 1 wrote its own replica faithfully (the worker's check against its writer
+            # passed); the commit found it differs from rank 0's and named rank 1.
+            assert err.culprits == ["trainer-rank-1"], str(err)
+            assert "scale" in err.outcomes["d0"].message and "trainer-rank-0" in err.outcomes["d0"].message
+            assert err.held == {"d0": (13, "dirty")}
+        finally:
+            get(ranks[1].call.remote(fm.unskew_scale))
+        ws.sync(14, verify=True)
+        assert_synced(ranks, {"d0": worker})
+
+
 def test_a_rank_frozen_before_writing_is_named_and_writes_nothing_late(two: dict[str, Any]) -> None:
     ranks, worker = two["ranks"], two["workers"]["d0"]
     pid = get(ranks[1].pid.remote())

@@ -123,13 +123,13 @@ class _AsyncVLLMWorker:
         return os.getpid()
 
     async def _started(self) -> Any:
+        if self._broken is not None:
+            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         if self._llm is not None:
             return self._llm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self._broken is not None:
-            raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         try:
             specs = self._specs
@@ -142,7 +142,13 @@ class _AsyncVLLMWorker:
         except BaseException as exc:
             # An engine whose workers have no endpoint could serve but never sync: stop it.
             self._broken = self._broken or f"its weightsync setup failed: {type(exc).__name__}: {exc}"
-            self._llm.shutdown()
+            llm, self._llm = self._llm, None
+            try:
+                llm.shutdown()
+            except Exception as stop:  # the setup's failure stays the error raised
+                log.error(
+                    "weightsync: %s: stopping the engine after a failed setup failed too", self.name, exc_info=stop
+                )
             raise
         return self._llm
 

@@ -27,6 +27,7 @@ inference engine pauses generation, as it does for any in-place weight update).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -41,6 +42,7 @@ from weightsync.core.transport.base import Landing, ReceiveHalf, Rider, SendHalf
 from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
 from weightsync.core.transport.control import ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
+from weightsync.core.transport.shm import pid_alive
 from weightsync.core.transport.streams import SlotStreams, wait_for_event
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
@@ -174,15 +176,24 @@ class DirectTarget(ReceiveHalf):
         control[_ANNOUNCED] = call.seq + 1
         done = call.seq + 1
 
+        def pending() -> list[int]:
+            return [i for i in range(len(self.writers)) if control[_written(i)] != done]
+
         def late() -> list[str]:
-            return [w for i, w in enumerate(self.writers) if control[_written(i)] != done]
+            # The writers still missing; of those, only the dead ones once one has died.
+            missing = pending()
+            dead = [i for i in missing if (pid := control[_writer_pid(i)]) and not pid_alive(pid)]
+            return [self.writers[i] for i in dead or missing]
+
+        turns = itertools.count()
 
         def watched() -> int:
-            pending = [i for i in range(len(self.writers)) if control[_written(i)] != done]
-            return control[_writer_pid(pending[0])] if pending else 0
+            # Each look watches the next writer still missing: any of them may be the one that died.
+            missing = pending()
+            return control[_writer_pid(missing[next(turns) % len(missing)])] if missing else 0
 
         control.wait(
-            lambda: not late(),
+            lambda: not pending(),
             self.deadlines.follower(time.monotonic()),
             self.name,
             lambda: f"{', '.join(late()) or self.server} to finish writing",
@@ -197,10 +208,13 @@ class DirectTarget(ReceiveHalf):
         for index, (spec, got) in enumerate(zip(self.manifest.specs, mine)):
             if got != control[first + index] & 0xFFFFFFFFFFFFFFFF:
                 raise ChecksumMismatch(
-                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from "
-                    f"{self.writers[0]}'s: the write went wrong"
+                    f"{self.name}: tensor {spec.name} holds bytes whose checksum {got:#x} differs from what "
+                    f"{' or '.join(self.writers)} wrote: the write went wrong"
                 )
-        return mine, ()
+        # Several writers: each tensor was checked against the writer that wrote it; the
+        # commit compares what this worker holds with the reference rank's, naming a rank
+        # whose replica differs.
+        return (mine if len(self.writers) == 1 else []), ()
 
     def start(self, call: SyncCall) -> None:
         if self._control is not None:
@@ -338,7 +352,7 @@ class DirectWriter(SendHalf):
         stale = tuple(w for w in call.to(self.kind) if not self.write(w, tensors, key, call.seq, deadline, checksums))
         # A worker compares its checksums with its writers' answers put together: the first
         # writer's are the whole model's, the others add none.
-        return (checksums if self.writer == 0 else []), stale
+        return self._answer(checksums), stale
 
     def start(self, call: SyncCall) -> None:
         for mapped in self._mapped.values():
@@ -407,13 +421,21 @@ class DirectWriter(SendHalf):
         return None if control[_ANNOUNCED] < 0 else mapped
 
     def _publish(self, control: ControlBlock, seq: int, checksums: Sequence[int]) -> None:
-        """Mark this party's part written; the first writer also gives the checksums (every
-        writer holds the same ones)."""
-        if self.writer == 0:
-            first = _first_checksum(len(self.writers))
-            for index, checksum in enumerate(checksums):
+        """Mark this party's part written, after the checksums of the tensors it answers for
+        (:meth:`_vouches`)."""
+        first = _first_checksum(len(self.writers))
+        for index, checksum in enumerate(checksums):
+            if self._vouches(index):
                 control[first + index] = _signed(checksum)
         control[_written(self.writer)] = seq + 1
+
+    def _vouches(self, index: int) -> bool:
+        """Whether this party gives tensor ``index``'s checksum (the one party writing it)."""
+        return self.writer == 0
+
+    def _answer(self, checksums: list[int]) -> list[int]:
+        """The checksums :meth:`send` returns: the ones a worker's commit compares with."""
+        return checksums if self.writer == 0 else []
 
     def write(
         self,
@@ -498,7 +520,9 @@ class _StreamedWrite:
                     destination.copy_(tensor)
         if tensor.is_cuda:
             stream = torch.cuda.current_stream(tensor.device)
-            event = self._events.setdefault(stream.cuda_stream, torch.cuda.Event())
+            event = self._events.get(stream.cuda_stream)
+            if event is None:
+                event = self._events[stream.cuda_stream] = torch.cuda.Event()
             event.record(stream)
 
     def finish(self) -> tuple[list[int], tuple[str, ...]]:
@@ -510,7 +534,7 @@ class _StreamedWrite:
         checksums = (self.summed if self.summed is not None else read_checksums(self._sums)) if self.call.verify else []
         for mapped in self.ready:
             writer._publish(mapped.control, self.call.seq, checksums)
-        return (checksums if writer.writer == 0 else []), self.stale
+        return writer._answer(checksums), self.stale
 
 
 def _signed(value: int) -> int:

@@ -8,10 +8,12 @@ every rank maps the export once and, per sync, writes only its own part. Nobody 
     rank r (OwnerWriter)           waits for the worker's announcement; copies its Shard(0)
                                    rows into the worker's rows of each split tensor, and the
                                    whole tensors it owns (index % R, as owner sends split
-                                   them); marks its part written (rank 0 also gives the
-                                   checksums, with verify)
+                                   them); marks its part written (with verify,
+                                   after the checksums of what it wrote)
     worker (OwnerWriteTarget)      announces; waits until all R parts are written; checks
-                                   the checksums (verify); commits
+                                   each tensor against its writer's checksum (verify);
+                                   commits (with verify, once what it holds matches the
+                                   reference rank's checksums: a diverging replica is named)
 
 A row range is one contiguous run of bytes on both sides, so each part is one copy from the
 rank's shard, with no buffer. A rank that dies or freezes is named by the worker's wait
@@ -86,6 +88,18 @@ class OwnerWriter(DirectWriter):
         if self.on_write is not None:
             self.on_write(worker)
         return super().write(worker, tensors, key, seq, deadline, checksums)
+
+    def _vouches(self, index: int) -> bool:
+        # A split tensor's checksum (of the gathered whole) is the same on every rank; a
+        # whole tensor's is its owner's, of the replica it wrote.
+        if self.layout.rows[index] and self.manifest.specs[index].shape:
+            return self.writer == 0
+        return index % self.layout.ranks == self.writer
+
+    def _answer(self, checksums: list[int]) -> list[int]:
+        # The worker checked each tensor against its writer already; its commit compares
+        # what it holds with the reference rank's checksums, naming a diverging replica.
+        return []
 
     def _sources(self, sources: Sources) -> tuple[Sequence[torch.Tensor], PlanKey]:
         # A rank's shard is exactly its rows (owned_plan.layout_of checked the split); a
