@@ -284,6 +284,9 @@ class DirectWriter(SendHalf):
                 f"{self.name}: set up as writer {writer} of {list(self.writers)}, which is not this party"
             )
         self.writer = writer
+        #: Called with each worker's name before this party writes into it (progress hooks,
+        #: fault injection in tests).
+        self.on_write: Callable[[str], None] | None = None
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
@@ -450,6 +453,8 @@ class DirectWriter(SendHalf):
         for sync ``seq``, once the worker announced it is ready; visible to the worker on
         return. False (nothing written) when the worker announced that its tensors moved
         since its export."""
+        if self.on_write is not None:
+            self.on_write(worker)
         mapped = self._mapped.get(worker)
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")

@@ -22,7 +22,7 @@ rank's shard, with no buffer. A rank that dies or freezes is named by the worker
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -58,9 +58,6 @@ class OwnerWriter(DirectWriter):
                 "(every rank of one mesh writes its part): run setup() again"
             )
         self.layout = layout
-        #: Called with each worker's name before this rank writes its part there (progress
-        #: hooks, fault injection in tests).
-        self.on_write: Callable[[str], None] | None = None
         super().__init__(session, device, writer, writers)
 
     def _parts(self, destinations: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -69,30 +66,21 @@ class OwnerWriter(DirectWriter):
         for index, (spec, destination) in enumerate(zip(self.manifest.specs, destinations)):
             if destination is None:
                 parts.append(None)
-            elif self.layout.rows[index] and spec.shape:
+            elif self._split(index):
                 start, stop = row_span(spec.shape[0], ranks, me)
                 parts.append(destination[start:stop] if stop > start else None)
             else:
                 parts.append(destination if index % ranks == me else None)
         return parts
 
-    def write(
-        self,
-        worker: str,
-        tensors: Sequence[torch.Tensor],
-        key: PlanKey,
-        seq: int,
-        deadline: float,
-        checksums: Sequence[int] = (),
-    ) -> bool:
-        if self.on_write is not None:
-            self.on_write(worker)
-        return super().write(worker, tensors, key, seq, deadline, checksums)
+    def _split(self, index: int) -> bool:
+        """Whether tensor ``index`` is split by rows (else one rank, index % R, holds it whole)."""
+        return self.layout.rows[index] and bool(self.manifest.specs[index].shape)
 
     def _vouches(self, index: int) -> bool:
         # A split tensor's checksum (of the gathered whole) is the same on every rank; a
         # whole tensor's is its owner's, of the replica it wrote.
-        if self.layout.rows[index] and self.manifest.specs[index].shape:
+        if self._split(index):
             return self.writer == 0
         return index % self.layout.ranks == self.writer
 
@@ -105,4 +93,5 @@ class OwnerWriter(DirectWriter):
         # A rank's shard is exactly its rows (owned_plan.layout_of checked the split); a
         # Replicate or plain tensor is whole.
         held = [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in sources.local]
-        return held, plan_key(held)
+        # The key only matters to the batched copier (CUDA); elsewhere it is never read.
+        return held, plan_key(held) if self._copier is not None else []

@@ -84,8 +84,8 @@ def _finish(
     return ChunkPlan(copies, others, batched)
 
 
-class PackPlans:
-    """The producer's plans: chunk pieces from the trainer's tensors into the slots."""
+class _Plans:
+    """One side's chunk plans, per (chunk, slot), valid while its tensors stay where they were."""
 
     def __init__(self, copier: BatchedCopier, specs: Sequence[TensorSpec]) -> None:
         self.copier = copier
@@ -95,11 +95,8 @@ class PackPlans:
         #: Plans built since this object was made (instrumentation and tests).
         self.built = 0
 
-    def begin(self, key: object) -> bool:
-        """Start a sync whose sources have :func:`plan_key` ``key``; True when it packs
-        through the plans. A different key than last sync's (a tensor moved, or changed
-        shape, strides or dtype) drops every plan and answers False: the caller packs this
-        sync tensor by tensor, so sources that move every sync never pay for tables."""
+    def _keep(self, key: object) -> bool:
+        """True when ``key`` is last sync's; otherwise drop every plan, remember ``key``, False."""
         if key is self._key or key == self._key:
             return True
         self._plans.clear()
@@ -110,6 +107,17 @@ class PackPlans:
         """Drop every plan (the slots they point into are going away)."""
         self._plans.clear()
         self._key = None
+
+
+class PackPlans(_Plans):
+    """The producer's plans: chunk pieces from the trainer's tensors into the slots."""
+
+    def begin(self, key: object) -> bool:
+        """Start a sync whose sources have :func:`plan_key` ``key``; True when it packs
+        through the plans. A different key than last sync's (a tensor moved, or changed
+        shape, strides or dtype) drops every plan and answers False: the caller packs this
+        sync tensor by tensor, so sources that move every sync never pay for tables."""
+        return self._keep(key)
 
     def _plan(self, chunk: Chunk, slot: int, buffer: torch.Tensor, sources: Sequence[torch.Tensor]) -> ChunkPlan:
         pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -151,33 +159,15 @@ class PackPlans:
             pack_piece(piece, self.specs[piece.spec_index], sources[piece.spec_index], buffer)
 
 
-class UnpackPlans:
+class UnpackPlans(_Plans):
     """A consumer's plans: chunk pieces out of the slots into the worker's tensors."""
-
-    def __init__(self, copier: BatchedCopier, specs: Sequence[TensorSpec]) -> None:
-        self.copier = copier
-        self.specs = specs
-        self._plans: dict[tuple[int, int], ChunkPlan] = {}
-        self._key: DestinationKey | None = None
-        #: Plans built since this object was made (instrumentation and tests).
-        self.built = 0
 
     def begin(self, destinations: Sequence[torch.Tensor | None]) -> bool:
         """Start a sync into ``destinations`` (per spec; None: handed to the sink); True when
         it unpacks through the plans. Any change of address, shape, strides or dtype since
         the last sync drops every plan and answers False (this sync unpacks tensor by
         tensor, as for :meth:`PackPlans.begin`)."""
-        key = destination_key(destinations)
-        if key == self._key:
-            return True
-        self._plans.clear()
-        self._key = key
-        return False
-
-    def clear(self) -> None:
-        """Drop every plan (the slots they point into are going away)."""
-        self._plans.clear()
-        self._key = None
+        return self._keep(destination_key(destinations))
 
     def _plan(self, chunk: Chunk, buffer: torch.Tensor, destinations: Sequence[torch.Tensor | None]) -> ChunkPlan:
         pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
