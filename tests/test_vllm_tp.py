@@ -1,9 +1,11 @@
 """weightsync into a real vLLM engine with tensor parallel size 2 (the CPU build).
 
 vLLM's CPU build runs TP=2 on a 2-core machine only with its worker threads bound by hand
-(``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Every TP rank is a receiver: rank 0 through the
-transport, rank 1 over vLLM's TP group, each loading the full tensors and keeping its
-shard. Each rank's parameters are checked bit for bit against the trainer's shard.
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Every TP rank is a receiver, each loading the full
+tensors and keeping its shard: fed by one trainer, rank 0 through the transport and rank 1
+over vLLM's TP group (the relay); fed by a sharded trainer of two ranks beside them, each
+TP rank by its own trainer rank (``rank-ipc``), both at once. Each rank's parameters are
+checked bit for bit against the trainer's shard.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ vllm = pytest.importorskip(
 
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
+from tests.conftest import ActorPool  # noqa: E402
 from tests.test_vllm import ENV, assert_logprobs_match, get, start_engine, stop_engine  # noqa: E402
-from weightsync import TrainerActor, WeightSync  # noqa: E402
+from tests.test_vllm_casts import BUFFER, Rank, gathered  # noqa: E402
+from weightsync import SyncError, TrainerActor, WeightSync  # noqa: E402
+from weightsync.glue.ranks import RankSpec  # noqa: E402
 
 TP = 2
 
@@ -42,12 +47,33 @@ def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
     stop_engine(handle)
 
 
-def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, checkpoint: str, actors: Any) -> None:
-    trainer = actors.add(
-        TrainerActor.options(num_cpus=0).remote(
-            functools.partial(vm.trainer_model, checkpoint), wire_dtype=torch.bfloat16
-        )
-    )
+@pytest.fixture(scope="module")
+def pool(ray_session: None) -> Iterator[ActorPool]:
+    actors = ActorPool()
+    yield actors
+    actors.close()
+
+
+@pytest.fixture(scope="module")
+def trainer(pool: ActorPool, checkpoint: str) -> Any:
+    factory = functools.partial(vm.trainer_model, checkpoint)
+    return pool.add(TrainerActor.options(num_cpus=0).remote(factory, wire_dtype=torch.bfloat16))
+
+
+def assert_every_rank_holds_its_shard(engine: Any, full: dict[str, torch.Tensor]) -> None:
+    """Each TP rank's parameters equal its shard of ``full`` (vLLM's fused bf16 layout)."""
+    held = get(engine.collective_rpc.remote(vm.engine_params))
+    assert len(held) == TP
+    config = vm.llama_config()
+    for rank, params in enumerate(held):
+        vocab_rows = params["model.embed_tokens.weight"].shape[0] * TP
+        want = vm.tp_shard(full, rank, TP, config.num_attention_heads, config.num_key_value_heads, vocab_rows)
+        for name, tensor in params.items():
+            expected = want["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+            assert torch.equal(tensor, expected), f"TP rank {rank}: {name} differs from the trainer's shard"
+
+
+def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, trainer: Any) -> None:
     ranks = get(engine.ranks.remote())
     assert [r.tp_rank for r in ranks] == [0, 1] and len({r.pid for r in ranks}) == 2
     for version in (1, 2):
@@ -55,17 +81,9 @@ def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, check
         with WeightSync(trainer, {"vllm-tp2": engine}, timeout_s=120) as ws:
             ws.sync(version)
             specs = len(ws.manifest.specs)
-        full = get(trainer.call.remote(vm.fused_bf16))
-        held = get(engine.collective_rpc.remote(vm.engine_params))
-        assert len(held) == TP
-        config = vm.llama_config()
-        for rank, params in enumerate(held):
-            vocab_rows = params["model.embed_tokens.weight"].shape[0] * TP
-            want = vm.tp_shard(full, rank, TP, config.num_attention_heads, config.num_key_value_heads, vocab_rows)
-            for name, tensor in params.items():
-                expected = want["model.embed_tokens.weight" if name == "lm_head.weight" else name]
-                assert torch.equal(tensor, expected), f"TP rank {rank}: {name} differs from the trainer's shard"
+        assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))
         ranks = get(engine.ranks.remote())
+        assert [r.fed_by for r in ranks] == ["ipc", "relay"]
         assert [(r.version, r.state) for r in ranks] == [(version, "committed")] * TP
         assert ranks[0].loaded_tensors == ranks[1].loaded_tensors == version * specs
     assert_logprobs_match(engine, None, trainer)
@@ -74,3 +92,75 @@ def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, check
             f"TP rank {rank.tp_rank}: pid {rank.pid}, {rank.device}, {rank.loaded_tensors} tensors loaded, "
             f"version {rank.version} ({rank.state})"
         )
+
+
+@pytest.fixture(scope="module")
+def sharded(engine: Any, checkpoint: str, pool: ActorPool) -> list[Any]:
+    """Two FSDP2 ranks (gloo) of the engine's model, beside its two TP ranks (one CPU node)."""
+    factory = functools.partial(vm.fsdp_trainer_model, checkpoint, 3)
+    return [
+        pool.add(Rank.options(num_cpus=0).remote(factory, rank=spec, wire_dtype=torch.bfloat16))
+        for spec in RankSpec.group(TP)
+    ]
+
+
+def test_each_tp_rank_is_fed_by_the_trainer_rank_beside_it(engine: Any, sharded: list[Any]) -> None:
+    """``auto`` feeds TP rank k from trainer rank k (rank-ipc), nothing relayed; forcing
+    ``ipc`` relays again; both bit-exact, every TP rank committed, the engine's log-probs
+    those of the gathered trainer model. Prints relay and per-rank sync times."""
+    specs = 0
+    times: dict[str, list[float]] = {"relay": [], "per-rank": []}
+    for version, transport, verify in (
+        (11, "auto", False),
+        (12, "ipc", False),
+        (13, "auto", True),
+        (14, "auto", False),
+    ):
+        get([r.call.remote(vm.nudge_shards, version) for r in sharded])
+        before = [r.relayed_tensors for r in get(engine.ranks.remote())]
+        with WeightSync(sharded, {"vllm-tp2": engine}, transport=transport, timeout_s=120) as ws:
+            report = ws.sync(version, verify=verify)
+            specs = len(ws.manifest.specs)  # type: ignore[union-attr]
+            if verify:
+                assert ws.verify()  # every TP rank's checksums, which must agree
+        per_rank = transport == "auto"
+        kind = "rank-ipc" if per_rank else "ipc"
+        (worker,) = report.workers
+        assert (worker.transport, worker.version, worker.state) == (kind, version, "committed")
+        times["per-rank" if per_rank else "relay"].append(report.seconds * 1e3)
+        ranks = get(engine.ranks.remote())
+        assert [(r.version, r.state) for r in ranks] == [(version, "committed")] * TP
+        assert [r.fed_by for r in ranks] == ([kind] * TP if per_rank else [kind, "relay"])
+        relayed = [r.relayed_tensors - b for r, b in zip(ranks, before)]
+        assert relayed == ([0, 0] if per_rank else [specs, 0]), relayed
+        state = gathered(sharded)
+        assert_every_rank_holds_its_shard(engine, vm.fused(state, torch.bfloat16))
+    model = vm.model_from(state)
+    assert_logprobs_match(engine, lambda ids: vm.prompt_logprobs(model, ids), None)
+    print(
+        "sync of 2 FSDP2 ranks into TP=2 (CPU, ms): "
+        + ", ".join(f"{k} {' '.join(f'{t:.0f}' for t in v)}" for k, v in times.items())
+    )
+
+
+def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(
+    engine: Any, sharded: list[Any], trainer: Any
+) -> None:
+    """Runs last for the ranks: rank 1 dies before its third bucket. The sync fails naming
+    it (its TP rank's wait watches its process), the engine says what it holds, and a sync
+    from a whole trainer repairs it."""
+    get([r.call.remote(vm.nudge_shards, 15) for r in sharded])
+    get(sharded[1].die_at_bucket.remote(2))
+    ws = WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60)
+    with pytest.raises(SyncError) as failed:
+        ws.sync(15)
+    err = failed.value
+    assert ws.transports() == {"vllm-tp2": "rank-ipc"}
+    assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead, str(err)
+    version, state = err.held["vllm-tp2"]
+    assert version == 14 and state in ("committed", "dirty"), err.held
+    ws.close()
+    get(trainer.call.remote(sgd_step, 16))
+    with WeightSync(trainer, {"vllm-tp2": engine}, timeout_s=120) as again:
+        assert again.sync(16).workers[0].state == "committed"
+    assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))

@@ -36,6 +36,10 @@ def _why_not(
 ) -> str | None:
     """Why ``transport`` cannot serve ``worker``: checked against ``trainer``, or, for a
     transport every rank serves at once, against each of ``every`` (the ranks in order)."""
+    if transport.fits_every is not None:
+        why = transport.fits_every(every or (trainer,), worker, name)
+        if why is not None:
+            return why
     if transport.serving is not Serving.EVERY or len(every) < 2:
         return transport.fits(trainer, worker, name)
     for rank, info in enumerate(every):

@@ -72,6 +72,9 @@ class WeightReceiver:
         #: mode), and by code reading them; see :meth:`reading`.
         self.gate = threading.RLock()
         self.listener: Listener | None = None
+        #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
+        #: when each rank receives on its own); set by the endpoint that makes it.
+        self.part = (0, 1)
 
     def accept(
         self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -205,7 +208,9 @@ class WeightReceiver:
         if got.stale:
             return got  # nothing was written: the coordinator exports it again
         if call.verify:
-            expected = [c for o in sent for c in o.value.checksums.get(got.transport, [])]
+            half = self.active_half
+            mine = tuple(half.own_senders(sent)) if half is not None else sent
+            expected = [c for o in mine for c in o.value.checksums.get(got.transport, [])]
             bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
             if bad or len(got.checksums) != len(expected):
                 self._fail()
@@ -213,7 +218,7 @@ class WeightReceiver:
                     ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
                 )
                 raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
-            self._check_held(got.held, _diverging(sent, reference), reference or sent[0])
+            self._check_held(got.held, _diverging(mine, reference), reference or mine[0])
         self._commit(call.version)
         return ReceiveResult(
             worker=self.name, version=self.version, state=self.state.value, checksums=[], seconds=got.seconds

@@ -23,6 +23,7 @@ from weightsync.core.plugins.ipc import IPC
 from weightsync.core.plugins.owned import OWNERS
 from weightsync.core.plugins.owner_writes import OWNER_WRITES
 from weightsync.core.plugins.push import PUSH
+from weightsync.core.plugins.rank_ipc import RANK_IPC
 from weightsync.core.transport.plugin import Mode, Plugin, Transport
 from weightsync.core.wire.errors import SettingsError
 
@@ -107,5 +108,5 @@ def auto_candidates() -> list[Transport]:
     return sorted(ranked, key=lambda t: t.auto_rank)  # type: ignore[arg-type, return-value]
 
 
-for _builtin in (BROADCAST, IPC, DIRECT, OWNERS, OWNER_WRITES, PUSH):
+for _builtin in (BROADCAST, IPC, RANK_IPC, DIRECT, OWNERS, OWNER_WRITES, PUSH):
     register(_builtin)

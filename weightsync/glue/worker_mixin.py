@@ -53,6 +53,7 @@ class WorkerMixin:
                 getattr(self, "expect_num_buffers", None),
                 getattr(self, "expect_inplace_bytes", None),
             )
+            receiver.part = getattr(self, "weightsync_part", (0, 1))
             self._ws_receiver = receiver
         return receiver
 

@@ -55,6 +55,7 @@ from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
+from weightsync.vllm.parts import PartRouting, State, answer
 
 log = logging.getLogger("weightsync")
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -114,6 +115,7 @@ class _AsyncVLLMWorker:
         self._broken: str | None = None
         self._lock = asyncio.Lock()  # one coordinator call (or engine start) at a time
         self._requests: dict[str, asyncio.Task[Any]] = {}
+        self._routing = PartRouting(1)
 
     async def start(self) -> int:
         """Start the engine unless it runs; returns the actor's pid. The coordinator's first
@@ -138,7 +140,10 @@ class _AsyncVLLMWorker:
                 if not isinstance(dtype, torch.dtype):
                     raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
                 specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
-            self._replies(await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup")
+            setup = self._replies(
+                await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup"
+            )
+            self._routing = PartRouting(len(setup))
         except BaseException as exc:
             # An engine whose workers have no endpoint could serve but never sync: stop it.
             self._broken = self._broken or f"its weightsync setup failed: {type(exc).__name__}: {exc}"
@@ -195,9 +200,10 @@ class _AsyncVLLMWorker:
 
     # the coordinator's protocol ---------------------------------------------------------------
     async def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        payload = encode_call(Call(method, args, kwargs))
         async with self._lock:
             llm = await self._started()
+            every = self._routing.every_rank(method, args)
+            payload = encode_call(Call(method, args, kwargs, every_rank=every))
             try:
                 if self._hold.begins(method):
                     self._hold.start(in_flight=llm.get_num_unfinished_requests())
@@ -205,8 +211,12 @@ class _AsyncVLLMWorker:
                     slow = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
                     await self._bounded(f"pause_generation(mode={self._hold.mode!r})", pause, slow)
                     self._hold.paused()
-                reply = self._replies(await self._rpc("weightsync_call", (payload,)), method)[0]
-                await self._after(reply)
+                try:
+                    replies = self._replies(await self._rpc("weightsync_call", (payload,)), method)
+                finally:
+                    self._routing.forwarded(method, every)
+                value, state = answer(method, replies, every, self.name)
+                await self._after(state)
             except BaseException:
                 try:
                     await self._resume("failed")
@@ -215,16 +225,15 @@ class _AsyncVLLMWorker:
                         "weightsync: %s: resuming generation after a failed %s: %s", self.name, method, resume_exc
                     )
                 raise
-            value = reply.value
-            if self._hold.ends(method, reply.state):
-                value = with_held_off(value, await self._resume(reply.state[1] if reply.state else "unknown"))
+            if self._hold.ends(method, state):
+                value = with_held_off(value, await self._resume(state[1] if state else "unknown"))
             return value
 
-    async def _after(self, reply: Reply) -> None:
+    async def _after(self, reply_state: State | None) -> None:
         """A newly committed version goes to vLLM before generation resumes."""
-        if reply.state is None:
+        if reply_state is None:
             return
-        version, state = reply.state
+        version, state = reply_state
         if state == WorkerState.COMMITTED.value and version is not None:
             await self._bounded("update_weight_version", self._llm.update_weight_version(str(version)))
 

@@ -47,6 +47,9 @@ class Call:
     target: str | Callable[..., Any]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: A protocol call that every TP rank runs as a receiver of its own, rather than rank 0
+    #: leading and the others following (see ``parts.py``); the engine actor decides.
+    every_rank: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.target, str) and self.target) and not callable(self.target):

@@ -55,6 +55,7 @@ from weightsync.vllm.checkpoint import checkpoint_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
+from weightsync.vllm.parts import PartRouting, State, answer
 from weightsync.vllm.plugin import BACKEND
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
@@ -103,6 +104,7 @@ class _VLLMWorker:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-rpc")
         self._version: int | None = None
         self._rank_pids: list[int] = []
+        self._routing = PartRouting(1)
         self.llm = LLM(**llm_kwargs)
         if expected_specs is None and check_model:
             dtype = self.llm.llm_engine.model_config.dtype
@@ -116,6 +118,7 @@ class _VLLMWorker:
             init_info = {"name": name, "expected_specs": rows}
             self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
         self._rank_pids = [r.pid for r in self.ranks()]
+        self._routing = PartRouting(1 if native else len(self._rank_pids))
 
     def use_native(self, native: bool) -> None:
         """Send the coordinator's calls through the native backend (True) or the worker
@@ -125,6 +128,7 @@ class _VLLMWorker:
             raise WeightSyncError(f"{self.name}: started with another weight_transfer_config; the native path is off")
         with self._lock:
             self.native = bool(native)
+            self._routing = PartRouting(1 if self.native else len(self._rank_pids))
 
     # bounded RPC ------------------------------------------------------------------------
     def _rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -183,22 +187,25 @@ class _VLLMWorker:
 
     # the coordinator's protocol ---------------------------------------------------------------
     def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        payload = encode_call(Call(method, args, kwargs))
         with self._lock:
+            every = self._routing.every_rank(method, args)
+            payload = encode_call(Call(method, args, kwargs, every_rank=every))
             if self._hold.begins(method):
                 # No generate runs from here (the lock, then the hold) until the hold ends.
                 self._hold.start(in_flight=0)
             target = "weightsync_native_call" if self.native else "weightsync_call"
             try:
-                replies = self._replies(self._rpc(target, args=(payload,)), method)
-                self._after(replies[0])
+                try:
+                    replies = self._replies(self._rpc(target, args=(payload,)), method)
+                finally:
+                    self._routing.forwarded(method, every)
+                value, state = answer(method, replies, every, self.name)
+                self._after(state)
             except BaseException:
                 self._release("failed")
                 raise
-            value = replies[0].value
-            if self._hold.ends(method, replies[0].state):
-                state = replies[0].state[1] if replies[0].state is not None else "unknown"
-                value = with_held_off(value, self._release(state))
+            if self._hold.ends(method, state):
+                value = with_held_off(value, self._release(state[1] if state is not None else "unknown"))
             return value
 
     def _release(self, state: str) -> float:
@@ -209,11 +216,11 @@ class _VLLMWorker:
         self._idle.notify_all()
         return seconds
 
-    def _after(self, reply: Reply) -> None:
+    def _after(self, reply_state: State | None) -> None:
         """A newly committed version: drop the old prefix cache, tell vLLM the version."""
-        if reply.state is None:
+        if reply_state is None:
             return
-        version, state = reply.state
+        version, state = reply_state
         if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
             self._version = version
             self.llm.reset_prefix_cache()

@@ -57,6 +57,11 @@ class RankInfo:
     loaded_tensors: int
     version: int | None
     state: str
+    #: How the last weights loaded here arrived: this rank's own transport ("rank-ipc": fed
+    #: by the trainer rank beside it), "relay" (handed on by TP rank 0), or "" before any.
+    fed_by: str = ""
+    #: Tensors this rank handed on to the other ranks over the TP group (rank 0, relay).
+    relayed_tensors: int = 0
 
 
 def encode_setup(info: SetupInfo) -> bytes:
@@ -65,7 +70,16 @@ def encode_setup(info: SetupInfo) -> bytes:
 
 def rank_info(endpoint: RankEndpoint) -> RankInfo:
     state = endpoint.receiver_state() or (None, "committed")
-    return RankInfo(endpoint.tp_rank, os.getpid(), str(endpoint.device), endpoint.loaded, state[0], state[1])
+    return RankInfo(
+        endpoint.tp_rank,
+        os.getpid(),
+        str(endpoint.device),
+        endpoint.loaded,
+        state[0],
+        state[1],
+        endpoint.fed_by,
+        endpoint.relayed,
+    )
 
 
 class WorkerExtension:

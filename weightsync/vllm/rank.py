@@ -11,7 +11,9 @@ sync split over several calls (receive, then commit) loads inside one bracket, a
 that load nothing never touch the model. Call order for one protocol call::
 
     endpoint.serve(call) -> bytes     # every TP rank at once; rank 0 receives, the others
-                                      # follow over the TP group (see relay.py)
+                                      # follow over the TP group (see relay.py), or, for
+                                      # a call with every_rank, each rank runs it on its
+                                      # own receiver (fed by parts, see parts.py)
 """
 
 from __future__ import annotations
@@ -48,8 +50,18 @@ class RankEndpoint(WorkerMixin):
         self._relay = relay if relay is not None and relay.size > 1 else None
         self._reloading = False
         self.loaded = 0  # tensors loaded on this rank, all syncs
+        self.relayed = 0  # tensors this rank handed on over the TP group, all syncs
+        #: How the last tensors loaded here arrived: the kind of this rank's own transport,
+        #: "relay" (handed on by rank 0), or "" before any.
+        self.fed_by = ""
         self.mirrored_state: tuple[int | None, str] | None = None  # a follower's copy of rank 0's
+        #: True while the current call runs on this rank alone (no relay), and from a
+        #: parts-feeding transport's opening until a call is led by rank 0 again.
+        self._alone = False
+        self.fed_by_parts = False
         self.name = name
+        #: Which part of the engine this rank is (read by WorkerMixin for its receiver).
+        self.weightsync_part = (self.tp_rank, self._relay.size if self._relay is not None else 1)
         # Not copies_immediately: vLLM's layerwise reload keeps the tensors it is handed
         # until each layer has all its weights (a layer with padding, such as the
         # vocabulary-padded embedding, until the reload ends), so views into a receive
@@ -69,8 +81,12 @@ class RankEndpoint(WorkerMixin):
     # loading ----------------------------------------------------------------------------
     def _load(self, weights: Any) -> None:
         items = list(weights)
-        if self._relay is not None and self.tp_rank == 0:
+        if self._relay is not None and self.tp_rank == 0 and not self._alone:
             self._relay.send(items)
+            self.relayed += len(items)
+        receiver = getattr(self, "_ws_receiver", None)
+        half = receiver.active_half if receiver is not None else None
+        self.fed_by = half.kind if half is not None else "?"
         self._load_here(items)
 
     def _load_here(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -84,6 +100,10 @@ class RankEndpoint(WorkerMixin):
             load(items)
         self.loaded += len(items)
 
+    def _load_relayed(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.fed_by = "relay"
+        self._load_here(items)
+
     def reload_open(self) -> bool:
         return self._reloading
 
@@ -93,10 +113,15 @@ class RankEndpoint(WorkerMixin):
             self._end()
 
     def receiver_state(self) -> tuple[int | None, str] | None:
+        """This rank's (version, state): its own receiver's, or on a follower fed by relay,
+        rank 0's as last mirrored."""
         receiver = getattr(self, "_ws_receiver", None)
-        if receiver is None:
+        follower = self.tp_rank != 0 and not self.fed_by_parts and self.mirrored_state is not None
+        if receiver is None or follower:
             return self.mirrored_state
         return receiver.version, receiver.state.value
+
+
 
     def settles(self) -> bool:
         state = self.receiver_state()
@@ -115,9 +140,12 @@ class RankEndpoint(WorkerMixin):
                 return encode_reply(
                     failed_reply(WeightSyncError(f"{self.name}: {call.target!r} is not a weightsync protocol method"))
                 )
+            method = getattr(self, call.target)
+            if call.every_rank:
+                return self._alone_call(call.target, lambda: method(*call.args, **call.kwargs), settle)
+            self.fed_by_parts = False
             if self.tp_rank != 0:
                 return self._follow(settle)
-            method = getattr(self, call.target)
             return self._lead(lambda: method(*call.args, **call.kwargs), settle)
         fn = call.target
         return run_call(lambda: fn(worker, *call.args, **call.kwargs), lambda: None)
@@ -134,13 +162,35 @@ class RankEndpoint(WorkerMixin):
             return encode_reply(failed_reply(exc, self.receiver_state()))
         return out
 
+    def _alone_call(self, target: str, body: Callable[[], Any], settle: bool) -> bytes:
+        """Run a call on this rank's own receiver, handing nothing on; the reload bracket
+        ends once this rank's receiver left ``receiving``."""
+        if target == "ws_open":
+            self.fed_by_parts = True
+        self._alone = True
+        try:
+            out = run_call(body, self.receiver_state)
+        finally:
+            self._alone = False
+        if settle and self._reloading and self.settles():
+            try:
+                self.end_reload()
+            except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
+                return encode_reply(failed_reply(exc, self.receiver_state()))
+        return out
+
     def _follow(self, settle: bool) -> bytes:
         assert self._relay is not None
 
         def body() -> None:
             assert self._relay is not None
-            finish = self._relay.follow(self._load_here)
+            finish = self._relay.follow(self._load_relayed)
             self.mirrored_state = finish.state
+            receiver = getattr(self, "_ws_receiver", None)
+            if receiver is not None and finish.state is not None:
+                # This rank holds what rank 0 holds: a later session that feeds it on its
+                # own starts from there (the version it checks a sync against).
+                receiver.version, receiver.state = finish.state[0], WorkerState(finish.state[1])
             if finish.settle and settle:
                 self.end_reload()
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 
 log = logging.getLogger("weightsync")
+_T = TypeVar("_T")
 
 
 class Landing(Protocol):
@@ -161,6 +162,12 @@ class ReceiveHalf(abc.ABC):
     def start(self, call: SyncCall) -> None:
         """Called first in every sync, before any check that may fail it (see SendHalf.start)."""
         return None
+
+    def own_senders(self, sent: Sequence[_T]) -> Sequence[_T]:
+        """Among every serving party's answers (in rank order), those of the parties whose
+        bytes this half received: all of them by default (one sender, or owner sends, where
+        each rank sends a part); one rank's for a part of a worker fed by its own rank."""
+        return sent
 
     @abc.abstractmethod
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:

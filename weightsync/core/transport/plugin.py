@@ -140,6 +140,10 @@ class WorkerSide(Protocol):
     @property
     def sink(self) -> Landing: ...
 
+    #: Which part of its worker this endpoint is, and of how many (``EndpointInfo.parts``):
+    #: ``(0, 1)`` for a worker of one process, ``(k, N)`` on an engine's TP rank k of N.
+    part: tuple[int, int]
+
     #: Held while anything writes the worker's weights outside a sync call (an export).
     gate: threading.RLock
 
@@ -158,6 +162,9 @@ Action = Callable[..., Any]
 #: ``fits(trainer, worker, name)``: why the transport cannot serve worker ``name`` placed at
 #: ``worker`` from ``trainer`` (ending with what to use instead), or None when it can.
 Fit = Callable[[EndpointInfo, EndpointInfo, str], "str | None"]
+#: ``fits_every(ranks, worker, name)``: as :data:`Fit`, for a transport every rank serves at
+#: once whose fit depends on the ranks together (how many, which one sits where).
+FitEvery = Callable[[Sequence[EndpointInfo], EndpointInfo, str], "str | None"]
 
 
 def _no_chunks(manifest: Manifest) -> tuple[Chunk, ...]:
@@ -238,8 +245,22 @@ class Transport(Plugin):
     usable_here: Callable[[], Usability] | None = None
     """Whether it can run on this host, per variant (the doctor's rows); None: no check."""
 
+    fits_every: FitEvery | None = None
+    """With ``Serving.EVERY``: checked once against all the ranks, before :attr:`fits` is
+    checked against each (see :data:`FitEvery`); None: :attr:`fits` alone decides."""
+
+    feeds_parts: bool = False
+    """True when each part of a worker of several processes (``EndpointInfo.parts``: an
+    engine's TP ranks) runs every worker action and receives its own bytes, from its own
+    trainer rank; an engine then forwards each of its calls to every part and answers for
+    all of them. False: part 0 is the worker, and hands the bytes on to its other parts."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fits_every is not None and (not callable(self.fits_every) or self.serving is not Serving.EVERY):
+            raise SettingsError(f"transport {self.name!r}: fits_every must be callable, and only with Serving.EVERY")
+        if self.feeds_parts and self.serving is not Serving.EVERY:
+            raise SettingsError(f"transport {self.name!r}: feeds_parts needs Serving.EVERY (each part has its rank)")
         if not (isinstance(self.send_half, type) and issubclass(self.send_half, SendHalf)):
             raise SettingsError(f"transport {self.name!r}: send_half must be a SendHalf subclass")
         if not (isinstance(self.receive_half, type) and issubclass(self.receive_half, ReceiveHalf)):

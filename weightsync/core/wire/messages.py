@@ -42,9 +42,21 @@ class EndpointInfo:
     #: a sharded trainer), "owned" (every tensor Shard(0) over a 1-D mesh, Replicate or plain:
     #: each rank can send what it holds), "other" (another layout: only gathering serves it).
     shards: str = "none"
+    #: A worker that receives in several processes (an inference engine's tensor-parallel
+    #: ranks, each loading every tensor and keeping its shard): where each part lives, in
+    #: part order; empty for a worker of one process. Transports that feed each part from
+    #: the trainer rank beside it read it (``rank-ipc``); the others serve part 0, this
+    #: endpoint, which hands the bytes on to its other parts itself.
+    parts: tuple[EndpointInfo, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "parts", tuple(self.parts))
+        _require(
+            all(isinstance(p, EndpointInfo) and not p.parts for p in self.parts),
+            "an endpoint's parts must be EndpointInfo of single processes (a part has no parts of its own)",
+        )
+        _require(len(self.parts) != 1, "an endpoint of one process lists no parts (parts is empty or two or more)")
         _require(
             self.shards in ("none", "owned", "other"), f"endpoint shards must be none/owned/other, got {self.shards!r}"
         )
