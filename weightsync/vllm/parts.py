@@ -147,9 +147,12 @@ def _result(results: Sequence[ReceiveResult], name: str) -> ReceiveResult:
 def _failure(bad: Sequence[tuple[int, Outcome]], name: str) -> Outcome:
     """One failed outcome naming every failing rank; its own failure (not a consequence of
     another party's) leads."""
-    lead = next((o for _, o in bad if not o.consequence), bad[0][1])
+    own = [o for _, o in bad if not o.consequence]
+    lead = own[0] if own else bad[0][1]
     lines = "; ".join(f"TP rank {k}: {o.error}: {o.message}" for k, o in bad)
-    blames = tuple(dict.fromkeys(b for _, o in bad for b in o.blames))
+    # A rank's own failure is the engine's: what the other ranks blame (their peers, who
+    # aborted because of it) would pass the blame away from it.
+    blames = tuple(dict.fromkeys(b for o in (own or [o for _, o in bad]) for b in o.blames))
     return Outcome(
         party=name,
         phase=lead.phase,

@@ -121,8 +121,6 @@ class RankEndpoint(WorkerMixin):
             return self.mirrored_state
         return receiver.version, receiver.state.value
 
-
-
     def settles(self) -> bool:
         state = self.receiver_state()
         return state is not None and state[1] != WorkerState.RECEIVING.value

@@ -14,7 +14,10 @@ Everything is measured in one run, on one cluster, with the same actors:
 * the Ray object store: ``ray.put`` of the state dict on the trainer, ``ray.get`` on the
   worker, copied into its parameters;
 * a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
-  (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`).
+  (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`);
+* with ``--vllm-tp N`` (CPU, vLLM installed): N FSDP2 ranks of a Llama of the size into a
+  vLLM engine of N TP ranks, relayed by TP rank 0 and fed per rank
+  (:mod:`~weightsync.tools.bench.engine_tp`).
 
 Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
 GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
@@ -68,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int_list_or_none,
         default=None,
         help="rank counts of the sharded (FSDP2, gloo) trainer cases, e.g. 2,4; 'none' skips them (default: cpu 2)",
+    )
+    parser.add_argument(
+        "--vllm-tp",
+        type=positive_int,
+        default=None,
+        help="also sync a sharded trainer of N ranks into a vLLM engine of N TP ranks, relayed and fed per rank "
+        "(rank-ipc); CPU, needs vLLM (default: off)",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument(

@@ -16,6 +16,7 @@ import weightsync.tools.bench.probes as probes
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
+from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.report import MIB, Case, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
@@ -208,6 +209,10 @@ class Bench:
             print(f"{size:>6} {'sharded trainer cases':<34} skipped: CPU only (gloo ranks)", flush=True)
         elif args.sharded_ranks:
             sharded_cases(self, size, workers, nbytes, {"broadcast": raw, "direct": copy_s, "ipc": copy_s})
+        if args.vllm_tp and cuda:
+            print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
+        elif args.vllm_tp:
+            engine_tp_cases(self, size, copy_s)
         if cuda and "naive" in args.transports:
 
             def naive() -> None:

@@ -104,7 +104,22 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
             f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
             f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
         )
-    return lines + _sharded_ratios(cases, size, receivers)
+    return lines + _sharded_ratios(cases, size, receivers) + _engine_ratios(cases, size)
+
+
+def _engine_ratios(cases: list[Case], size: str) -> list[str]:
+    """A vLLM engine of TP ranks fed per rank against the same engine relayed (above 1x:
+    feeding each rank is faster)."""
+    lines = []
+    for fed in (c for c in cases if c.size == size and c.name.startswith("vllm TP=") and c.name.endswith("rank-ipc")):
+        prefix = fed.name.rsplit(":", 1)[0]
+        relay = _find(cases, size, f"{prefix}: relay")
+        if relay is not None:
+            lines.append(
+                f"{size:>6} ratio {prefix + ': rank-ipc vs relay':<38} {relay.median / fed.median:6.2f}x  "
+                f"({relay.median * 1e3:.2f} ms against {fed.median * 1e3:.2f} ms)"
+            )
+    return lines
 
 
 def _sharded_ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
