@@ -64,6 +64,19 @@ def test_sharded_bench_rows_use_the_library_default_unless_buffer_mib_is_given()
     assert sharded_buffer_bytes(asked) == 64 * 1024 * 1024
 
 
+def test_the_bench_compares_an_engine_fed_per_rank_with_the_relay() -> None:
+    from weightsync.tools.bench.report import Case, ratios
+
+    assert build_parser().parse_args(["bench"]).vllm_tp is None  # off unless asked
+    assert build_parser().parse_args(["bench", "--vllm-tp", "2"]).vllm_tp == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--vllm-tp", "0"])
+    relay = Case("100mb", "vllm TP=2, 2 ranks: relay", 10**8, times=[0.5, 0.4, 0.6])
+    fed = Case("100mb", "vllm TP=2, 2 ranks: rank-ipc", 10**8, times=[0.2, 0.25, 0.3])
+    (line,) = [x for x in ratios([relay, fed], "100mb", 2) if "rank-ipc vs relay" in x]
+    assert "2.00x" in line and "500.00 ms against 250.00 ms" in line
+
+
 def test_the_bench_mib_column_shows_buffers_under_one_mib() -> None:
     from weightsync.tools.bench.report import mib_column
 

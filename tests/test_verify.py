@@ -178,6 +178,38 @@ def test_verify_with_a_load_weights_sink_checks_the_bytes_it_was_handed() -> Non
         sender.close_transports()
 
 
+def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() -> None:
+    """``LoadWeightsSink(staged=True)``: the tensors of a sync reach ``load_weights`` once,
+    all together, as it commits; a sync refused at its commit never reaches it, and the
+    worker keeps its version, committed (not dirty: its model was never touched)."""
+    trainer = MixedModel(seed=0)
+    loads: list[dict[str, torch.Tensor]] = []
+
+    def load(items: Any) -> None:
+        loads.append({name: tensor.clone() for name, tensor in items})
+
+    sink = LoadWeightsSink(load, staged=True)
+    sender, receiver = open_ipc(trainer, sink)
+    try:
+        call = SyncCall(seq=0, version=1, verify=True)
+        sent, got = ipc_sync(sender, receiver, call)
+        assert loads == [] and receiver.status() == (None, "committed")  # received, nothing loaded yet
+        receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
+        assert receiver.status() == (1, "committed") and len(loads) == 1  # one load, every tensor
+        for name, tensor in module_tensors(trainer):
+            assert_bit_equal(loads[0][name], tensor, name)
+        perturb(trainer, seed=5)
+        call = SyncCall(seq=1, version=2, verify=True)
+        sent, got = ipc_sync(sender, receiver, call)
+        wrong = [s + 1 for s in sent.tensor_checksums]  # a reference the bytes cannot match
+        with pytest.raises(ChecksumMismatch):
+            receiver.commit(call, ok("w", "receive", got), _sent("trainer", wrong), ok("trainer", "send", sent))
+        assert receiver.status() == (1, "committed") and len(loads) == 1, "a refused sync reached load_weights"
+    finally:
+        receiver.close_transports()
+        sender.close_transports()
+
+
 def _sent(party: str, sums: list[int]) -> Any:
     return ok(party, "send", SendResult(tensor_checksums=sums))
 

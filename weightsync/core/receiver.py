@@ -152,6 +152,7 @@ class WeightReceiver:
             failure = shed_traceback(exc)
         if failure is not None:
             abort_each([half], failure)
+            self._discard()
             if self.state is WorkerState.RECEIVING:
                 self.state = WorkerState.DIRTY
             raise failure
@@ -233,7 +234,9 @@ class WeightReceiver:
             raise
 
     def settle(self) -> tuple[int | None, str]:
-        """After a failed sync: a worker still receiving is dirty (its bytes may be a mix)."""
+        """After a failed sync: a worker still receiving is dirty (its bytes may be a mix);
+        a staging sink drops what it kept (its model was never touched)."""
+        self._discard()
         if self.state is WorkerState.RECEIVING:
             self._fail()
         return self.status()
@@ -245,14 +248,35 @@ class WeightReceiver:
                 f"({self.version}); pass force=True to overwrite anyway"
             )
 
+    def _stages(self) -> bool:
+        """True when the sink keeps a sync's tensors until it commits (``LoadWeightsSink(staged=True)``)."""
+        return bool(getattr(self.sink, "staged", False))
+
     def _begin(self) -> None:
-        self.state = WorkerState.RECEIVING
+        if not self._stages():  # a staging sink's model is untouched until the commit
+            self.state = WorkerState.RECEIVING
 
     def _commit(self, version: int) -> None:
+        if self._stages():
+            self.state = WorkerState.RECEIVING
+            try:
+                self.sink.land()  # type: ignore[attr-defined]
+            except BaseException:
+                self.state = WorkerState.DIRTY
+                raise
         self.version = version
         self.state = WorkerState.COMMITTED
 
+    def _discard(self) -> None:
+        if self._stages():
+            self.sink.discard()  # type: ignore[attr-defined]
+
     def _fail(self) -> None:
+        """A sync is refused: the worker is dirty if bytes reached its tensors; a staging
+        sink's model was never touched, so it keeps its version, committed."""
+        self._discard()
+        if self._stages() and self.state is not WorkerState.RECEIVING:
+            return
         self.state = WorkerState.DIRTY
 
     def status(self) -> tuple[int | None, str]:
@@ -322,6 +346,7 @@ class WeightReceiver:
             self.active_half = None
             return
         half, self.active_half = self.active_half, None
+        self._discard()
         if half is None:
             return
         half.close(abort)

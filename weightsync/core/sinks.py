@@ -221,6 +221,13 @@ class LoadWeightsSink:
     do), which casts: ``expected_specs`` may name a floating dtype other than the wire's,
     and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
     are of the bytes handed over, in the wire's dtype.
+
+    ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
+    commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
+    rank dying or a transfer timing out, never reaches the model: the worker keeps serving
+    its last version, committed. It costs a second copy of the model's bytes on the
+    worker's device while a sync is in flight; without it a failed sync leaves a loaded
+    model part old, part new (dirty) until the next sync.
     """
 
     casts_on_load = True
@@ -231,12 +238,34 @@ class LoadWeightsSink:
         copies_immediately: bool = True,
         expected_specs: Sequence[TensorSpec] | None = None,
         record_checksums: bool = True,
+        staged: bool = False,
     ) -> None:
         self._load_weights = load_weights
-        self.keeps_references = not copies_immediately
+        self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
         self._received: dict[str, torch.Tensor] = {}
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self.set_staged(staged)
+
+    def set_staged(self, staged: bool) -> None:
+        """Stage whole syncs (see the class doc) from the next sync on."""
+        if not isinstance(staged, bool):
+            raise TypeError(f"staged must be True or False, got {staged!r}")
+        self.staged = staged
+        self.keeps_references = not self._copies or staged
+        self._staged = []
+
+    def land(self) -> None:
+        """Load what a staged sync kept (the receiver calls it as the sync commits)."""
+        items, self._staged = self._staged, []
+        if items:
+            with torch.no_grad():
+                self._load_weights(iter(items))
+
+    def discard(self) -> None:
+        """Drop what a staged sync kept: it failed, the model was never touched."""
+        self._staged = []
 
     @property
     def records_checksums(self) -> bool:
@@ -253,7 +282,10 @@ class LoadWeightsSink:
             if self._record:
                 for name, tensor in items:
                     self._received[name] = word_sum(tensor)
-            self._load_weights(iter(items))
+            if self.staged:
+                self._staged.extend(items)
+            else:
+                self._load_weights(iter(items))
 
     def checksums(self, manifest: Manifest) -> list[int] | None:
         if not self._record or any(spec.name not in self._received for spec in manifest.specs):

@@ -97,6 +97,7 @@ class _AsyncVLLMWorker:
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
         env: dict[str, str] | None = None,
+        stage_updates: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         if timeout_s <= 0:
@@ -110,6 +111,7 @@ class _AsyncVLLMWorker:
         self._hold = SyncHold(_check_mode(pause_mode))
         self._specs = tuple(expected_specs) if expected_specs is not None else None
         self._check_model = check_model
+        self._stage_updates = bool(stage_updates)
         self._engine_kwargs = engine_kwargs
         self._llm: Any = None
         self._broken: str | None = None
@@ -141,7 +143,8 @@ class _AsyncVLLMWorker:
                     raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
                 specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
             setup = self._replies(
-                await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs)),)), "setup"
+                await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs, self._stage_updates)),)),
+                "setup",
             )
             self._routing = PartRouting(len(setup))
         except BaseException as exc:

@@ -76,6 +76,7 @@ class _VLLMWorker:
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
         env: dict[str, str] | None = None,
+        stage_updates: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         if timeout_s <= 0:
@@ -112,7 +113,9 @@ class _VLLMWorker:
                 raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
             expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
         specs = tuple(expected_specs) if expected_specs is not None else None
-        self._replies(self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs)),)), "setup")
+        self._replies(
+            self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
+        )
         if self._has_backend:
             rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
             init_info = {"name": name, "expected_specs": rows}
@@ -253,6 +256,14 @@ class _VLLMWorker:
             payload = encode_call(Call(fn, tuple(args), dict(kwargs or {})))
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(self._rpc("weightsync_call", args=(payload,)), label)]
+
+    def stage_updates(self, staged: bool) -> None:
+        """Keep each sync's tensors on every TP rank until the sync commits (True), so a sync
+        that fails midway never reaches the model and the engine keeps serving its version;
+        costs a second copy of the model's bytes per rank during a sync. False: load as
+        they arrive (the default). Takes effect from the next sync; extension mode only."""
+        with self._lock:
+            self._replies(self._rpc("weightsync_stage", args=(bool(staged),)), "stage_updates")
 
     def ranks(self) -> list[RankInfo]:
         """Each TP rank: pid, device, tensors loaded so far, version and state."""

@@ -41,10 +41,15 @@ class SetupInfo:
 
     name: str
     expected_specs: tuple[TensorSpec, ...] | None = None
+    #: Keep each sync's tensors until it commits, so a failed sync never reaches the model
+    #: (``LoadWeightsSink(staged=True)``: a second copy of the model's bytes during a sync).
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"SetupInfo.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.staged, bool):
+            raise ValueError(f"SetupInfo.staged must be True or False, got {self.staged!r}")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class WorkerExtension:
                 expected_specs=info.expected_specs,
                 relay=tp_relay(torch.device(worker.device)),
                 name=info.name,
+                staged=info.staged,
             )
 
         return run_call(setup, lambda: None)
@@ -161,6 +167,10 @@ class WorkerExtension:
         except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
             self._weightsync_session_open = False
             return encode_reply(failed_reply(exc))
+
+    def weightsync_stage(self, staged: bool) -> bytes:
+        """Stage whole syncs on this rank from the next sync on, or stop (extension mode)."""
+        return run_call(lambda: self._weightsync_ep().weightsync_sink.set_staged(staged), lambda: None)
 
     def weightsync_ranks(self, native: bool) -> bytes:
         """This rank's :class:`RankInfo`, of the native backend's endpoint or the extension's."""

@@ -43,6 +43,7 @@ class RankEndpoint(WorkerMixin):
         expected_specs: Sequence[TensorSpec] | None,
         relay: TpRelay | None,
         name: str,
+        staged: bool = False,
     ) -> None:
         self._model = model
         self.device = device
@@ -66,7 +67,11 @@ class RankEndpoint(WorkerMixin):
         # until each layer has all its weights (a layer with padding, such as the
         # vocabulary-padded embedding, until the reload ends), so views into a receive
         # buffer that the next chunk refills would be read stale. Each tensor is cloned.
-        self.weightsync_sink = LoadWeightsSink(self._load, copies_immediately=False, expected_specs=expected_specs)
+        # With ``staged``, a sync's tensors are kept until it commits (LoadWeightsSink's
+        # ``staged``): a failed sync never reaches the model.
+        self.weightsync_sink = LoadWeightsSink(
+            self._load, copies_immediately=False, expected_specs=expected_specs, staged=staged
+        )
 
     @property
     def tp_rank(self) -> int:
