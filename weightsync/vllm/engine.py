@@ -193,19 +193,20 @@ class _VLLMWorker:
                 replies = self._replies(self._rpc(target, args=(payload,)), method)
                 self._after(replies[0])
             except BaseException:
-                self._release("failed")
+                self._release("failed", method)
                 raise
             value = replies[0].value
             if self._hold.ends(method, replies[0].state):
                 state = replies[0].state[1] if replies[0].state is not None else "unknown"
-                value = with_held_off(value, self._release(state))
+                value = with_held_off(value, self._release(state, method))
             return value
 
-    def _release(self, state: str) -> float:
-        """End an open hold (under the lock) and wake the waiting ``generate`` calls."""
+    def _release(self, state: str, method: str) -> float:
+        """End an open hold (under the lock), recorded as ended by ``method``, and wake the
+        waiting ``generate`` calls."""
         if not self._hold.open:
             return 0.0
-        seconds = self._hold.stop(state)
+        seconds = self._hold.stop(state, method)
         self._idle.notify_all()
         return seconds
 
