@@ -139,7 +139,8 @@ class ControlBlock:
     def aborts(self) -> list[int]:
         """The codes of the sides that failed this sync (or a later one), earliest first."""
         pairs = self._pairs.tolist()  # one read of every pair, epochs before stamps
-        if not any(pairs[1::2]):
+        # Polled in the waits' spin loops: the common answers (none, only stale) come first.
+        if not any(pairs[1::2]) or max(pairs[0::2]) < self.epoch:
             return []
         failed = [
             (stamp, code)
