@@ -19,8 +19,8 @@ from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, 
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import Status, SyncError, WeightSync
 from weightsync.core.sender import WeightSender
-from weightsync.core.sinks import TensorPaths, module_tensors
-from weightsync.core.wire import ManifestError, SyncSettings
+from weightsync.core.sinks import ModuleSink, TensorPaths, module_tensors
+from weightsync.core.wire import ManifestError, ModelChangedError, SyncSettings
 from weightsync.glue.actors import TrainerHost, WorkerHost
 
 
@@ -168,6 +168,32 @@ def test_tensor_paths_notice_every_replaced_link_and_nothing_else() -> None:
         paths = TensorPaths(model, [n for n, _ in module_tensors(model)])
         change(model)
         assert not paths.unchanged(), f"change {i} went unnoticed"
+
+
+@pytest.mark.parametrize("buffer,persistent", [("steps", False), ("cache", True)], ids=["made-transient", "made-kept"])
+def test_a_buffer_whose_persistence_flips_is_noticed_by_the_cached_paths(buffer: str, persistent: bool) -> None:
+    """``register_buffer`` on a registered name with the other ``persistent`` keeps every
+    table's objects and counts: the cached paths must still send the sender and the sink
+    back to the full check, which refuses the changed model by name."""
+    model = Tied()
+    paths = TensorPaths(model, [n for n, _ in module_tensors(model)])
+    sender = WeightSender(model)
+    manifest = sender.manifest(SyncSettings(buffer_bytes=4096))
+    sender.checked_sources()  # the full check, which the next ones skip while nothing changed
+    sink = ModuleSink(Tied())
+    sink.destinations(manifest)
+    for module in (model, sink.module):
+        module.register_buffer(buffer, getattr(module, buffer), persistent=persistent)
+    assert not paths.unchanged()
+    change = "removed" if not persistent else "added"
+    with pytest.raises(ModelChangedError, match=f"{buffer} {change}"):
+        sender.checked_sources()
+    if not persistent:
+        with pytest.raises(ModelChangedError, match=f"no longer in the model: {buffer}"):
+            sink.destinations(manifest)
+    else:  # a worker may hold more than the manifest: it takes the sync, its tensors walked again
+        sink.destinations(manifest)
+        assert buffer in sink._by_name
 
 
 def test_sender_sees_a_replaced_parameter_and_refuses_a_reshaped_one() -> None:

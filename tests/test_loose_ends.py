@@ -197,3 +197,56 @@ def test_an_abort_that_fails_neither_masks_the_cause_nor_skips_the_other_halves(
     with pytest.raises(OSError, match="ipc"):
         abort_each(halves, None)  # no cause: the abort's own failure is the error
     assert all(h.aborted for h in halves)
+
+
+class _Interrupted(_Half):
+    def abort(self) -> None:
+        self.aborted = True
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_in_one_halfs_abort_lets_the_others_abort_then_propagates() -> None:
+    from weightsync.core.transport.base import abort_each
+
+    halves = [_Interrupted("ipc", False), _Half("gloo", True), _Half("direct", False)]
+    cause = TimeoutError("worker-3 did not answer")
+    with pytest.raises(KeyboardInterrupt) as info:
+        abort_each(halves, cause)
+    assert all(h.aborted for h in halves)
+    assert info.value.__context__ is cause  # what was failing stays in the traceback
+    halves = [_Interrupted("ipc", False), _Half("direct", True)]
+    with pytest.raises(KeyboardInterrupt):  # the interrupt wins over an abort's own error
+        abort_each(halves, None)
+    assert all(h.aborted for h in halves)
+
+
+def test_a_worker_whose_abort_is_interrupted_midway_through_a_sync_is_still_marked_dirty() -> None:
+    """The receive fails after bytes began to land; the abort that tells the trainer is
+    interrupted: the interrupt propagates, and the worker says its weights are a mix."""
+    sender = WeightSender(model=MixedModel(seed=0))
+    manifest = sender.manifest(SyncSettings(timeout_s=20.0))
+    receiver = WeightReceiver(MixedModel(seed=1), name="w")
+    receiver.accept(manifest, timeout_s=20.0)
+    open_local(registry.get("direct"), sender, {"w": receiver})
+    half: Any = receiver.active_half
+    real_abort = half.abort
+
+    def receive(sink: Any, call: SyncCall, begin: Any) -> Any:
+        begin()  # the worker's tensors are being written from here
+        raise RuntimeError("the transfer broke midway")
+
+    def abort() -> None:
+        real_abort()
+        raise KeyboardInterrupt
+
+    half.receive, half.abort = receive, abort
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            receiver.receive(SyncCall(seq=0, version=1))
+        assert "midway" in str(info.value.__context__)
+        assert receiver.status() == (None, "dirty")
+        assert half._control.aborted_by == half._code  # the trainer was told before the interrupt
+    finally:
+        half.abort = real_abort
+        receiver.close_transports()
+        sender.close_transports()

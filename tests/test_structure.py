@@ -1,15 +1,11 @@
 """The pure pieces of the restructured core, without Ray: settings, transport choice, blame
-from outcomes, the control block and its deadlines, and the layering rules."""
+from outcomes, deadlines, and the layering rules (the control block: test_control_block.py)."""
 
 from __future__ import annotations
 
 import ast
-import ctypes
 import math
-import os
 import pickle
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +15,6 @@ import torch
 from tests.helpers import session_of
 from weightsync.core.choice import choose_transport
 from weightsync.core.packing import tensor_checksums
-from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
 from weightsync.core.wire import (
     EndpointInfo,
     Outcome,
@@ -149,71 +144,7 @@ def test_errors_keep_their_blame_across_pickling_and_outcomes_refuse_an_ok_with_
         Outcome(party="w0", phase="sync", status=Status.OK, error="ValueError")
 
 
-# --- control block and deadlines -------------------------------------------------------
-
-
-def test_control_block_names_the_side_that_aborted_and_keeps_the_first_code(no_shm_leftovers: None) -> None:
-    block = ControlBlock.create(2, tag="test")
-    try:
-        block.abort(worker_code(1))
-        block.abort(TRAINER)  # the first failure is the one named
-        with pytest.raises(PeerAborted, match="w1 failed") as info:
-            block.wait(lambda: False, time.monotonic() + 60, "trainer", lambda: "nothing", ["trainer", "w0", "w1"])
-        assert info.value.blames == ("w1",)
-    finally:
-        block.close()
-
-
-def test_control_block_times_out_blaming_the_late_party_and_notices_a_dead_peer(no_shm_leftovers: None) -> None:
-    block = ControlBlock.create(1, tag="test")
-    try:
-        with pytest.raises(TransferTimeout) as info:
-            block.wait(
-                lambda: False, time.monotonic() + 0.05, "trainer", lambda: "w0", ["trainer"], late=lambda: ["w0"]
-            )
-        assert info.value.blames == ("w0",)
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-        with pytest.raises(PeerAborted, match=f"pid {pid}"):
-            block.wait(lambda: False, time.monotonic() + 60, "trainer", lambda: "w0", ["trainer"], peer_pid=lambda: pid)
-    finally:
-        block.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is Linux's")
-def test_a_gpu_transports_wait_that_sleeps_shortens_its_own_threads_timer_slack_only(no_shm_leftovers: None) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    slack: dict[str, int] = {}
-
-    def waiter() -> None:
-        libc.prctl(29, 50_000, 0, 0, 0)  # PR_SET_TIMERSLACK: Linux's default, whatever was inherited
-        slack["before"] = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
-        block = ControlBlock.create(1, tag="test")
-        block.precise = True  # as the GPU transports set it
-        try:
-            with pytest.raises(TransferTimeout):  # long enough to leave the spinning and sleep
-                block.wait(lambda: False, time.monotonic() + 0.05, "trainer", lambda: "w0", ["trainer"])
-        finally:
-            block.close()
-        slack["after"] = libc.prctl(30, 0, 0, 0, 0)
-
-    mine = libc.prctl(30, 0, 0, 0, 0)
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    thread.join(30)
-    assert slack == {"before": 50_000, "after": 1}
-    assert libc.prctl(30, 0, 0, 0, 0) == mine, "another thread's slack must not change"
-    cpu = ControlBlock.create(1, tag="test")  # a CPU transport's block leaves the slack alone
-    try:
-        libc.prctl(29, 50_000, 0, 0, 0)
-        with pytest.raises(TransferTimeout):
-            cpu.wait(lambda: False, time.monotonic() + 0.05, "trainer", lambda: "w0", ["trainer"])
-        assert libc.prctl(30, 0, 0, 0, 0) == 50_000
-    finally:
-        libc.prctl(29, mine, 0, 0, 0)
-        cpu.close()
+# --- deadlines and checksums -----------------------------------------------------------
 
 
 def test_deadlines_let_the_leader_fail_first_and_the_coordinator_last() -> None:

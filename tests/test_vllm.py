@@ -129,14 +129,15 @@ def assert_engine_holds(engine: Any, trainer: Any) -> None:
         assert torch.equal(tensor, want), f"{name} differs from the trainer's bf16 tensor"
 
 
-def assert_generation_held_off_within(engine: Any, report: SyncReport, wall: float) -> None:
+def assert_generation_held_off_within(engine: Any, report: SyncReport, wall: float, ended_by: str) -> None:
     """The time the engine blocked generation is reported, positive, and within the sync's
-    wall time as the coordinator (and the caller around it) measured it."""
+    wall time as the coordinator (and the caller around it) measured it; the hold ended
+    with call ``ended_by``."""
     (worker,) = report.workers
     assert worker.held_off_s is not None and worker.held_off_s > 0, worker
     assert worker.held_off_s <= report.seconds <= wall, (worker.held_off_s, report.seconds, wall)
     hold = get(engine.last_hold.remote())
-    assert (hold.seconds, hold.mode, hold.state) == (worker.held_off_s, "block", "committed")
+    assert (hold.seconds, hold.mode, hold.state, hold.ended_by) == (worker.held_off_s, "block", "committed", ended_by)
     assert "generation held off" in report.summary()
     print(report.summary())
 
@@ -163,7 +164,7 @@ def test_sync_after_a_training_step_sets_every_vllm_parameter_bit_exact(engine: 
         report = ws.sync(1)
         wall = time.perf_counter() - started
         assert [(w.name, w.version, w.state) for w in report.workers] == [("vllm", 1, "committed")]
-    assert_generation_held_off_within(engine, report, wall)
+    assert_generation_held_off_within(engine, report, wall, "ws_receive")  # ipc: the receive commits
     assert_engine_holds(engine, trainer)
     (rank,) = get(engine.ranks.remote())
     assert (rank.version, rank.state, rank.loaded_tensors) == (1, "committed", len(manifest.specs))
@@ -182,7 +183,7 @@ def test_second_sync_after_another_step_over_broadcast(engine: Any, trainer: Any
         report = ws.sync(2)
         wall = time.perf_counter() - started
         assert ws.status() == {"vllm": (2, "committed")}
-    assert_generation_held_off_within(engine, report, wall)  # from receive to commit
+    assert_generation_held_off_within(engine, report, wall, "ws_commit")  # from receive to commit
     assert_engine_holds(engine, trainer)
     assert_logprobs_match(engine, None, trainer)
     assert get(engine.weight_version.remote()) == "2"

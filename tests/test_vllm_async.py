@@ -6,7 +6,9 @@ has its first token before the sync starts, so it is in flight), syncs, then col
 * ``pause_mode="keep"`` (ipc): the requests are paused and resumed, every one completes;
 * ``pause_mode="wait"`` (broadcast: the hold spans receive and commit): the sync waits for
   them, and they finish on the old weights (token for token what the engine generated for
-  the same prompts before the sync).
+  the same prompts before the sync);
+* ``pause_mode="abort"`` (ipc): they end at the pause, short of their length, and the sync
+  completes.
 
 After each sync every parameter equals the trainer's bit for bit, prompt log-probs (new
 requests) follow the trainer's model, the engine reports the new version, and the time
@@ -135,6 +137,21 @@ def test_wait_lets_requests_in_flight_finish_on_the_old_weights(engine: Any, tra
     assert after != before
 
 
+def test_abort_ends_requests_in_flight_and_the_sync_completes(engine: Any, trainer: Any) -> None:
+    get(trainer.call.remote(sgd_step, 3))
+    get(engine.set_pause_mode.remote("abort"))
+    try:
+        outs, hold = sync_with_requests_in_flight(engine, trainer, 3)
+    finally:
+        get(engine.set_pause_mode.remote("keep"))
+    assert (hold.mode, hold.ended_by) == ("abort", "ws_receive")
+    ended = [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids) < LONG) for o in outs]
+    assert ended == [("abort", True)] * len(vm.PROMPTS)
+    assert_engine_holds(engine, trainer)
+    assert_logprobs_match(engine, None, trainer)  # new requests run on the new weights
+    assert get(engine.weight_version.remote()) == "3"
+
+
 def test_an_unknown_pause_mode_is_refused_by_name(engine: Any) -> None:
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         get(engine.set_pause_mode.remote("drain"))
@@ -151,16 +168,16 @@ def _refuse_loads(worker: Any) -> None:
 
 def test_a_sync_that_fails_in_the_engine_resumes_generation(engine: Any, trainer: Any) -> None:
     """Runs last: the engine's weights are left a mix (dirty)."""
-    get(trainer.call.remote(sgd_step, 3))
+    get(trainer.call.remote(sgd_step, 4))
     get(engine.collective_rpc.remote(_refuse_loads))
     with WeightSync(trainer, {"vllm-async": engine}, timeout_s=120) as ws:
         ws.setup()
         ids = get(engine.submit.remote(vm.PROMPTS, greedy(LONG)))
         with pytest.raises(SyncError) as err:
-            ws.sync(3)
+            ws.sync(4)
     assert err.value.culprits == ["vllm-async"] and "load_weights refused" in str(err.value)
     hold = get(engine.last_hold.remote())
-    assert (hold.in_flight, hold.state) == (len(vm.PROMPTS), "dirty")
+    assert (hold.in_flight, hold.state, hold.ended_by) == (len(vm.PROMPTS), "dirty", "ws_receive")
     outs = get(engine.collect.remote(ids))  # paused, then resumed after the failure
     assert [len(o.outputs[0].token_ids) for o in outs] == [LONG] * len(vm.PROMPTS)
-    assert get(engine.weight_version.remote()) == "2"
+    assert get(engine.weight_version.remote()) == "3"

@@ -1,13 +1,23 @@
 """The held-off bookkeeping of the vLLM engine actors, and how the report carries it
-(no engine needed: tests/test_vllm.py and tests/test_vllm_async.py measure real holds)."""
+(no engine needed: tests/test_vllm.py and tests/test_vllm_async.py measure real holds).
+
+The actors' own bookkeeping (which call ends a hold, when vLLM is told a version, what
+waits for a coordinator call) is driven here through scripted answers in place of the
+engine's workers."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from weightsync.core.wire.messages import ReceiveResult
 from weightsync.core.wire.outcome import Outcome, Status
 from weightsync.core.wire.report import SyncReport, WorkerReport
+from weightsync.vllm.codec import Reply, encode_reply
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 
 
@@ -27,13 +37,14 @@ def test_a_hold_opens_at_receive_and_ends_when_the_receiver_leaves_receiving() -
     assert not hold.begins("ws_receive")  # one hold per sync
     assert not hold.ends("ws_receive", (0, "receiving"))  # broadcast: the commit follows
     assert hold.ends("ws_commit", (1, "committed"))
-    seconds = hold.stop("committed")
+    seconds = hold.stop("committed", "ws_commit")
     assert hold.last is not None and not hold.open
-    assert (hold.last.seconds, hold.last.in_flight, hold.last.mode, hold.last.state) == (
+    assert (hold.last.seconds, hold.last.in_flight, hold.last.mode, hold.last.state, hold.last.ended_by) == (
         seconds,
         2,
         "keep",
         "committed",
+        "ws_commit",
     )
     assert 0 <= hold.last.pausing_s <= seconds
     assert not hold.ends("ws_commit", (1, "committed"))  # nothing open
@@ -63,6 +74,150 @@ def test_the_report_shows_the_longest_hold_and_none_when_no_worker_says() -> Non
 
 def test_a_hold_record_refuses_negative_figures_by_name() -> None:
     with pytest.raises(ValueError, match="in_flight"):
-        HoldRecord(seconds=0.1, pausing_s=0.0, in_flight=-1, mode="keep", state="committed")
+        HoldRecord(seconds=0.1, pausing_s=0.0, in_flight=-1, mode="keep", state="committed", ended_by="ws_commit")
     with pytest.raises(ValueError, match="pausing_s"):
-        HoldRecord(seconds=0.1, pausing_s=0.2, in_flight=0, mode="keep", state="committed")
+        HoldRecord(seconds=0.1, pausing_s=0.2, in_flight=0, mode="keep", state="committed", ended_by="ws_commit")
+    with pytest.raises(ValueError, match="ended_by"):
+        HoldRecord(seconds=0.1, pausing_s=0.0, in_flight=0, mode="keep", state="committed", ended_by="")
+
+
+def _answers(*states: tuple[int | None, str]) -> Iterator[list[bytes]]:
+    """One rank's answers to the next calls, each reporting the receiver's state after it."""
+    for state in states:
+        yield [encode_reply(Reply(ok=True, value=state, state=state))]
+
+
+def _sync_worker(answers: Iterator[list[bytes]]) -> Any:
+    pytest.importorskip("vllm")
+    from weightsync.vllm.engine import EngineCallError, _VLLMWorker
+
+    worker: Any = object.__new__(_VLLMWorker)  # the actor's bookkeeping, without an engine
+    worker.name, worker.timeout_s, worker.native, worker._broken, worker._version = "vllm", 30.0, False, None, None
+    worker._lock = threading.Lock()
+    worker._idle = threading.Condition(worker._lock)
+    worker._hold = SyncHold("block")
+
+    def rpc(method: str, args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
+        answer = next(answers, None)
+        if answer is None:
+            worker._broken = "the engine died (scripted)"
+            raise EngineCallError(f"vllm: {worker._broken}")
+        return answer
+
+    worker._rpc = rpc
+    return worker
+
+
+@pytest.mark.parametrize("ending", ["ws_settle", "ws_teardown"])
+def test_a_failed_syncs_hold_ended_by_settle_or_teardown_is_recorded_with_how_it_ended(ending: str) -> None:
+    """Broadcast: the hold spans receive and commit; the sync fails elsewhere and the
+    coordinator settles (the engine answers dirty) or tears down (the engine is gone)."""
+    answers = _answers((None, "receiving"), (None, "dirty"))
+    worker = _sync_worker(answers if ending == "ws_settle" else _answers((None, "receiving")))
+    worker.forward_weightsync("ws_receive")
+    assert worker._hold.open and worker.last_hold() is None
+    if ending == "ws_settle":
+        assert worker.forward_weightsync("ws_settle") == (None, "dirty")
+    else:
+        with pytest.raises(Exception, match="died"):
+            worker.forward_weightsync("ws_teardown")
+    hold = worker.last_hold()
+    assert not worker._hold.open and hold is not None and hold.seconds > 0
+    assert (hold.ended_by, hold.state) == (ending, "dirty" if ending == "ws_settle" else "failed")
+
+
+class _FakeAsyncLLM:
+    """AsyncLLM's surface the actor uses; its workers answer from ``answers``."""
+
+    errored = False
+
+    def __init__(self, answers: Iterator[list[bytes]]) -> None:
+        self.answers = answers
+        self.versions: list[str] = []
+        self.calls: list[str] = []
+        self.gate: asyncio.Event | None = None  # when set, a collective_rpc waits for it
+
+    async def collective_rpc(self, method: str, timeout: float, args: tuple[Any, ...], kwargs: Any = None) -> Any:
+        self.calls.append("rpc")
+        if self.gate is not None:
+            await self.gate.wait()
+        self.calls.append("rpc done")
+        return next(self.answers)
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append("pause")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    async def update_weight_version(self, version: str) -> None:
+        self.versions.append(version)
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def _async_worker(llm: _FakeAsyncLLM) -> Any:
+    pytest.importorskip("vllm")
+    from weightsync.vllm.async_engine import _AsyncVLLMWorker
+
+    worker = _AsyncVLLMWorker(name="vllm", timeout_s=30.0, check_model=False)
+    worker._llm = llm
+    return worker
+
+
+def test_the_async_actor_tells_vllm_a_version_only_when_a_commit_changed_it() -> None:
+    llm = _FakeAsyncLLM(_answers((1, "committed"), (1, "committed"), (1, "committed"), (2, "committed")))
+
+    async def drive() -> None:
+        worker = _async_worker(llm)
+        await worker.forward_weightsync("ws_receive")  # ipc: commits version 1
+        await worker.forward_weightsync("ws_checksums")  # answers committed, version unchanged
+        await worker.forward_weightsync("ws_settle")
+        await worker.forward_weightsync("ws_receive")  # version 2
+        assert (await worker.last_hold()).ended_by == "ws_receive"
+
+    asyncio.run(drive())
+    assert llm.versions == ["1", "2"]
+
+
+def test_the_async_actors_shutdown_waits_for_the_coordinator_call_in_progress() -> None:
+    llm = _FakeAsyncLLM(_answers((1, "committed")))
+
+    async def drive() -> None:
+        worker = _async_worker(llm)
+        llm.gate = asyncio.Event()
+        call = asyncio.create_task(worker.forward_weightsync("ws_receive"))
+        for _ in range(100):  # yield until the call is inside the engine
+            if "rpc" in llm.calls:
+                break
+            await asyncio.sleep(0)
+        assert llm.calls == ["pause", "rpc"]
+        stop = asyncio.create_task(worker.shutdown())
+        for _ in range(20):
+            await asyncio.sleep(0)  # let the shutdown run as far as it can
+        assert "shutdown" not in llm.calls
+        llm.gate.set()
+        assert await call == (1, "committed")
+        await stop
+
+    asyncio.run(drive())
+    assert llm.calls == ["pause", "rpc", "rpc done", "resume", "shutdown"]
+
+
+def test_an_unusable_async_engine_still_ends_and_records_an_open_hold() -> None:
+    llm = _FakeAsyncLLM(_answers((None, "receiving")))
+
+    async def drive() -> Any:
+        worker = _async_worker(llm)
+        await worker.forward_weightsync("ws_receive")  # broadcast: the hold stays open
+        worker._broken = "the engine died (scripted)"
+        with pytest.raises(Exception, match="unusable"):
+            await worker.forward_weightsync("ws_teardown")
+        return await worker.last_hold()
+
+    hold = asyncio.run(drive())
+    assert hold is not None and (hold.ended_by, hold.state) == ("ws_teardown", "failed")

@@ -151,10 +151,12 @@ class WeightReceiver:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
-            abort_each([half], failure)
-            self._discard()
-            if self.state is WorkerState.RECEIVING:
-                self.state = WorkerState.DIRTY
+            try:
+                abort_each([half], failure)
+            finally:  # an interrupt raised by the abort still leaves the worker marked
+                self._discard()
+                if self.state is WorkerState.RECEIVING:
+                    self.state = WorkerState.DIRTY
             raise failure
         if not stale and half.knows_sender_finished and not call.verify:
             self._commit(call.version)

@@ -328,11 +328,11 @@ class WeightSender:
         halves, so a push still in flight ends before the memory it reads is released."""
         if by:
             self.closed_by = by
-        told: Exception | None = None
+        told: BaseException | None = None
         if abort:
             try:
                 abort_each(list(self.halves.values()), None)
-            except Exception as exc:  # noqa: BLE001 - raised below, once everything is closed
+            except BaseException as exc:  # noqa: BLE001 - raised below, once everything is closed
                 told = exc
         extras, self.extras = self.extras, {}
         for extra in extras.values():

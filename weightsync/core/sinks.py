@@ -51,7 +51,8 @@ class TensorPaths:
     every name still reaches the same tensor object, without walking the module tree or
     building names (which costs more per sync than the copies of a small model).
     The number of entries in every module's tables is recorded too, so a tensor or module
-    added anywhere is noticed. A tensor object can still have been given new storage or a
+    added anywhere is noticed, and so is each module's set of non-persistent buffers, so a
+    buffer made persistent or non-persistent (which a full walk would add or drop) is too. A tensor object can still have been given new storage or a
     new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
     """
 
@@ -87,10 +88,18 @@ class TensorPaths:
         self._census = [
             (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
         ]
+        # Which buffers each module keeps out of its state: ``register_buffer(name, buffer,
+        # persistent=...)`` on a registered name moves it in or out of the synced tensors
+        # while every table keeps its objects and counts.
+        self._transient = [
+            (sub._non_persistent_buffers_set, frozenset(sub._non_persistent_buffers_set)) for sub in module.modules()
+        ]
 
     def unchanged(self) -> bool:
-        return all(len(table) == count for table, count in self._census) and all(
-            table.get(key) is obj for table, key, obj in self._links
+        return (
+            all(len(table) == count for table, count in self._census)
+            and all(table.get(key) is obj for table, key, obj in self._links)
+            and all(names == then for names, then in self._transient)
         )
 
 

@@ -115,9 +115,12 @@ class _AsyncVLLMWorker:
         self._engine_kwargs = engine_kwargs
         self._llm: Any = None
         self._broken: str | None = None
-        self._lock = asyncio.Lock()  # one coordinator call (or engine start) at a time
+        # One coordinator call, engine start or shutdown at a time (generate only takes it
+        # to start the engine: requests run concurrently with everything).
+        self._lock = asyncio.Lock()
         self._requests: dict[str, asyncio.Task[Any]] = {}
         self._routing = PartRouting(1)
+        self._version: int | None = None  # the version last given to vLLM
 
     async def start(self) -> int:
         """Start the engine unless it runs; returns the actor's pid. The coordinator's first
@@ -126,7 +129,15 @@ class _AsyncVLLMWorker:
             await self._started()
         return os.getpid()
 
+    async def _engine(self) -> Any:
+        """The engine, started under the lock unless it runs (two callers never start two)."""
+        if self._llm is not None and self._broken is None:
+            return self._llm
+        async with self._lock:
+            return await self._started()
+
     async def _started(self) -> Any:
+        """The engine, started unless it runs; the caller holds the lock."""
         if self._broken is not None:
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         if self._llm is not None:
@@ -204,10 +215,10 @@ class _AsyncVLLMWorker:
     # the coordinator's protocol ---------------------------------------------------------------
     async def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         async with self._lock:
-            llm = await self._started()
             every = self._routing.every_rank(method, args)
             payload = encode_call(Call(method, args, kwargs, every_rank=every))
             try:
+                llm = await self._started()  # inside: an unusable engine still ends an open hold
                 if self._hold.begins(method):
                     self._hold.start(in_flight=llm.get_num_unfinished_requests())
                     pause = llm.pause_generation(mode=self._hold.mode, clear_cache=True)
@@ -222,32 +233,35 @@ class _AsyncVLLMWorker:
                 await self._after(state)
             except BaseException:
                 try:
-                    await self._resume("failed")
+                    await self._resume("failed", method)
                 except Exception as resume_exc:  # noqa: BLE001 - logged; the call's own error is raised
                     log.warning(
                         "weightsync: %s: resuming generation after a failed %s: %s", self.name, method, resume_exc
                     )
                 raise
             if self._hold.ends(method, state):
-                value = with_held_off(value, await self._resume(state[1] if state else "unknown"))
+                value = with_held_off(value, await self._resume(state[1] if state else "unknown", method))
             return value
 
     async def _after(self, reply_state: State | None) -> None:
-        """A newly committed version goes to vLLM before generation resumes."""
+        """A newly committed version goes to vLLM before generation resumes (every call
+        reports the receiver's state: only a commit that changed the version counts)."""
         if reply_state is None:
             return
         version, state = reply_state
-        if state == WorkerState.COMMITTED.value and version is not None:
+        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
             await self._bounded("update_weight_version", self._llm.update_weight_version(str(version)))
+            self._version = version
 
-    async def _resume(self, state: str) -> float:
-        """Resume generation if a hold is open; returns its seconds (pause to resume)."""
+    async def _resume(self, state: str, method: str) -> float:
+        """Resume generation if a hold is open, recorded as ended by ``method``; returns its
+        seconds (pause to resume)."""
         if not self._hold.open:
             return 0.0
         try:
             await self._bounded("resume_generation", self._llm.resume_generation())
         finally:
-            seconds = self._hold.stop(state)
+            seconds = self._hold.stop(state, method)
         return seconds
 
     # for users ------------------------------------------------------------------------------
@@ -261,7 +275,7 @@ class _AsyncVLLMWorker:
         ``wait_first``, once every request has its first output (so each is in flight)."""
         from vllm import SamplingParams
 
-        llm = await self._started()
+        llm = await self._engine()
         if self._broken is not None:
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -315,7 +329,7 @@ class _AsyncVLLMWorker:
             return [r.value for r in self._replies(await self._rpc("weightsync_ranks", (False,)), "ranks")]
 
     async def weight_version(self) -> str:
-        llm = await self._started()
+        llm = await self._engine()
         return str(await self._bounded("get_weight_version", llm.get_weight_version()))
 
     async def last_hold(self) -> HoldRecord | None:
@@ -323,12 +337,14 @@ class _AsyncVLLMWorker:
         return self._hold.last
 
     async def shutdown(self) -> None:
-        """Stop the engine's processes (the actor stays up, and unusable)."""
-        for task in self._requests.values():
-            task.cancel()
-        if self._llm is not None:
-            self._llm.shutdown()
-        self._broken = self._broken or "shut down"
+        """Stop the engine's processes (the actor stays up, and unusable); a coordinator call
+        in progress ends first (within ``timeout_s``)."""
+        async with self._lock:
+            self._broken = self._broken or "shut down"
+            for task in self._requests.values():
+                task.cancel()
+            if self._llm is not None:
+                self._llm.shutdown()
 
     async def pid(self) -> int:
         return os.getpid()

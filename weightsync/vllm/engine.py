@@ -205,17 +205,18 @@ class _VLLMWorker:
                 value, state = answer(method, replies, every, self.name)
                 self._after(state)
             except BaseException:
-                self._release("failed")
+                self._release("failed", method)
                 raise
             if self._hold.ends(method, state):
-                value = with_held_off(value, self._release(state[1] if state is not None else "unknown"))
+                value = with_held_off(value, self._release(state[1] if state is not None else "unknown", method))
             return value
 
-    def _release(self, state: str) -> float:
-        """End an open hold (under the lock) and wake the waiting ``generate`` calls."""
+    def _release(self, state: str, method: str) -> float:
+        """End an open hold (under the lock), recorded as ended by ``method``, and wake the
+        waiting ``generate`` calls."""
         if not self._hold.open:
             return 0.0
-        seconds = self._hold.stop(state)
+        seconds = self._hold.stop(state, method)
         self._idle.notify_all()
         return seconds
 

@@ -10,11 +10,14 @@ failure) or a ``ws_settle`` / ``ws_teardown`` ends the sync. Call order in the a
                                                        # hold.paused() once paused
     reply = <the call, forwarded to the engine's workers>
     if hold.ends(method, reply.state):                 # resume generation, then
-        value = with_held_off(value, hold.stop())      # the answer carries the seconds
+        value = with_held_off(value, hold.stop(state, method))   # the answer carries the seconds
+    (a call that raises: resume generation, hold.stop("failed", method), raise)
 
 The seconds go back in the :class:`~weightsync.core.wire.messages.ReceiveResult` of the
 call that ended the hold, so the coordinator's :class:`~weightsync.SyncReport` shows them
-per worker (``WorkerReport.held_off_s``).
+per worker (``WorkerReport.held_off_s``). A hold that a ``ws_settle`` or ``ws_teardown``
+ends belongs to a failed sync, which has no report: :attr:`SyncHold.last` (the actors'
+``last_hold()``) records every hold, with the call that ended it.
 """
 
 from __future__ import annotations
@@ -48,10 +51,18 @@ class HoldRecord:
     #: How in-flight requests were treated: "block" (a synchronous ``LLM``: a running
     #: ``generate`` call finishes first) or vLLM's pause mode ("keep", "wait", "abort").
     mode: str
-    #: The receiver's state when the hold ended ("committed", "dirty", ...).
+    #: The receiver's state when the hold ended ("committed", "dirty", ...; "failed" when
+    #: the call that ended it raised).
     state: str
+    #: The coordinator's call that ended it: ``ws_receive`` or ``ws_commit`` when the sync
+    #: went through (or failed in that call), ``ws_settle`` or ``ws_teardown`` when the sync
+    #: failed elsewhere and the coordinator cleaned up (a failed sync has no report: its
+    #: hold is only here).
+    ended_by: str
 
     def __post_init__(self) -> None:
+        if not self.ended_by:
+            raise ValueError("HoldRecord.ended_by must name the call that ended the hold, got ''")
         if not self.seconds >= self.pausing_s >= 0:
             raise ValueError(
                 f"HoldRecord needs seconds >= pausing_s >= 0, got seconds={self.seconds!r}, pausing_s={self.pausing_s!r}"
@@ -92,15 +103,21 @@ class SyncHold:
             return False
         return method in RELEASES or state is None or state[1] != WorkerState.RECEIVING.value
 
-    def stop(self, state: str) -> float:
-        """Close the open hold; returns its seconds."""
+    def stop(self, state: str, ended_by: str) -> float:
+        """Close the open hold, recorded as ended by call ``ended_by`` with receiver
+        ``state``; returns its seconds."""
         if self._started is None:
             raise RuntimeError("SyncHold.stop without an open hold")
         seconds = time.perf_counter() - self._started
         pausing = self._paused - self._started if self._paused is not None else 0.0
         self._started = None
         self.last = HoldRecord(
-            seconds=seconds, pausing_s=pausing, in_flight=self._in_flight, mode=self.mode, state=state
+            seconds=seconds,
+            pausing_s=pausing,
+            in_flight=self._in_flight,
+            mode=self.mode,
+            state=state,
+            ended_by=ended_by,
         )
         return seconds
 

@@ -196,8 +196,12 @@ def abort_each(halves: Iterable[_Aborts], failure: BaseException | None) -> None
     """Tell every half's peers that this side failed, each in turn, as the failure policy
     wants: a half whose abort itself fails keeps neither the other halves from aborting nor
     ``failure`` (the cause, when this side is failing already) from being the error raised;
-    the abort's own error is logged and noted on ``failure``, or raised when there is none."""
+    the abort's own error is logged and noted on ``failure``, or raised when there is none.
+    An interrupt (a ``BaseException`` that is not an ``Exception``, such as
+    ``KeyboardInterrupt``) raised by one half's abort is raised once every other half has
+    aborted, in place of ``failure``: it was meant to stop this process."""
     first: Exception | None = None
+    interrupt: BaseException | None = None
     for half in halves:
         try:
             half.abort()
@@ -208,6 +212,13 @@ def abort_each(halves: Iterable[_Aborts], failure: BaseException | None) -> None
                 note(f"(then aborting the {half.kind} transport failed too: {exc!r})")
             if failure is None and first is None:
                 first = exc
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every half aborted
+            if interrupt is None:
+                interrupt = exc
+    if interrupt is not None:
+        if failure is not None and interrupt.__context__ is None:
+            interrupt.__context__ = failure  # the traceback shows what was failing
+        raise interrupt
     if first is not None:
         raise first
 

@@ -128,7 +128,9 @@ class DirectTarget(ReceiveHalf):
             torch.cuda.current_stream(self.device).synchronize()
         self.close()
         self._region = region
-        self._control = ControlBlock.create(_first_checksum(len(self.writers)) + len(self.manifest.specs), tag="dctl")
+        self._control = ControlBlock.create(
+            _first_checksum(len(self.writers)) + len(self.manifest.specs), tag="dctl", parties=len(self._names)
+        )
         self._control[_TARGET_PID] = os.getpid()
         self._control.precise = self.device.type == "cuda"
         self._layout = [

@@ -104,7 +104,9 @@ class IpcSender(SendHalf):
             raise WeightSyncError(f"{self.name}: IPC slots already exported for this session")
         nbuf, size = self.manifest.depth(self.manifest.chunks), self.manifest.agreed.buffer_bytes
         self._slots = make_region(nbuf * size, self.device, tag="slots")
-        self._control = ControlBlock.create(_checksum_word(len(consumer_names), nbuf), tag="ctl")
+        self._control = ControlBlock.create(
+            _checksum_word(len(consumer_names), nbuf), tag="ctl", parties=1 + len(consumer_names)
+        )
         self._control[_PRODUCER_PID] = os.getpid()
         self._control.precise = self.streams.is_cuda
         packed: tuple[bytes, ...] = ()

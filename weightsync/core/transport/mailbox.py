@@ -52,7 +52,7 @@ class Mailbox:
         return cls(ControlBlock.attach(mapped, who, path))
 
     def _area(self) -> np.ndarray:
-        return self.control.words[2 + _HEADER_WORDS :].view(np.uint8)
+        return self.control.words[self.control.first + _HEADER_WORDS :].view(np.uint8)
 
     # the trainer's side -------------------------------------------------------------------
     def post(self, call: SyncCall) -> None:

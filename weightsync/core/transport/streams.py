@@ -23,26 +23,39 @@ from weightsync.core.wire.errors import StreamTimeout, TransferTimeout
 
 log = logging.getLogger("weightsync")
 _PR_SET_TIMERSLACK = 29
+_PR_GET_TIMERSLACK = 30
 _this_thread = threading.local()
 
 
-def precise_sleeps() -> None:
-    """Let the calling thread's short sleeps end on time, once per thread (Linux; elsewhere
-    nothing).
+@contextlib.contextmanager
+def precise_sleeps() -> Iterator[None]:
+    """Within the block, let the calling thread's short sleeps end on time (Linux; elsewhere
+    nothing); on leaving it, the thread's timer slack is what it was.
 
     The polling waits of a sync sleep 10-20 us between looks, and Linux lengthens every
     sleep of a thread by its timer slack, 50 us by default: a hand-off that lands while a
     wait sleeps was seen up to ~70 us late (a 20 us sleep measured 87 us at the median,
-    34 us with a slack of 1 ns). Setting the slack costs nothing but those early wake-ups.
+    34 us with a slack of 1 ns). The slack is restored because the thread is the caller's
+    (a Ray actor's, an engine's): with 1 ns, every other sleep and timeout it runs after
+    the sync would wake it on the dot, which costs wake-ups and buys nothing. Blocks nest
+    (the outermost one restores).
     """
-    if getattr(_this_thread, "precise", False):
-        return
-    _this_thread.precise = True
-    if not sys.platform.startswith("linux"):
+    if getattr(_this_thread, "precise", False) or not sys.platform.startswith("linux"):
+        yield
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) != 0:
+    before = libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    if before < 0 or libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) != 0:
         log.debug("weightsync: could not shorten this thread's timer slack (errno %d)", ctypes.get_errno())
+        yield
+        return
+    _this_thread.precise = True
+    try:
+        yield
+    finally:
+        _this_thread.precise = False
+        if libc.prctl(_PR_SET_TIMERSLACK, before, 0, 0, 0) != 0:
+            log.debug("weightsync: could not restore this thread's timer slack (errno %d)", ctypes.get_errno())
 
 
 @functools.cache
@@ -115,18 +128,19 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str,
     """
     polls = 0
     delay = 10e-6
-    while not stream.query():
-        polls += 1
-        if polls < 2000:  # a chunk's copy often ends within a few hundred microseconds
-            continue
-        if polls == 2000:
-            precise_sleeps()
-        if time.monotonic() > deadline:
-            # ``own``: the stream holds only this process's copies, so a late stream is this
-            # party's failure; otherwise (a collective on it) it waits on a peer.
-            raise (StreamTimeout if own else TransferTimeout)(on_timeout)
-        time.sleep(delay)
-        delay = min(delay * 2, 20e-6)
+    with contextlib.ExitStack() as slack:
+        while not stream.query():
+            polls += 1
+            if polls < 2000:  # a chunk's copy often ends within a few hundred microseconds
+                continue
+            if polls == 2000:
+                slack.enter_context(precise_sleeps())
+            if time.monotonic() > deadline:
+                # ``own``: the stream holds only this process's copies, so a late stream is this
+                # party's failure; otherwise (a collective on it) it waits on a peer.
+                raise (StreamTimeout if own else TransferTimeout)(on_timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 20e-6)
 
 
 def wait_for_event(event: torch.cuda.Event, deadline: float, on_timeout: str) -> None:
