@@ -32,6 +32,14 @@ def _engine(*parts: EndpointInfo) -> EndpointInfo:
     return dataclasses.replace(parts[0], parts=parts)
 
 
+def test_a_receive_result_of_parts_holds_single_parts() -> None:
+    one = _received(1, "committed", 0.1)
+    assert ReceiveResult(worker="w", version=1, state="committed", parts=[one, one]).parts == (one, one)
+    nested = dataclasses.replace(one, parts=(one,))
+    with pytest.raises(WeightSyncError, match="parts"):
+        ReceiveResult(worker="w", version=1, state="committed", parts=(nested,))
+
+
 def test_parts_are_single_processes_and_never_one() -> None:
     a, b = _info("n1", 10), _info("n1", 11)
     assert _engine(a, b).parts == (a, b)
@@ -102,6 +110,8 @@ def test_the_engine_answers_for_its_parts_together() -> None:
         "vllm",
     )
     assert (got.value.version, got.value.state, got.value.seconds) == (3, "committed", 0.5)
+    # Each part's own result travels on, for its own commit to check (its chunks, its rank's).
+    assert [p.seconds for p in got.value.parts] == [0.2, 0.5] and not any(p.parts for p in got.value.parts)
     mixed = combine(
         "ws_receive",
         [ok("vllm", "receive", _received(3, "committed", 0.1)), ok("vllm", "receive", _received(2, "dirty", 0.1))],

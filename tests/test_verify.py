@@ -180,8 +180,10 @@ def test_verify_with_a_load_weights_sink_checks_the_bytes_it_was_handed() -> Non
 
 def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() -> None:
     """``LoadWeightsSink(staged=True)``: the tensors of a sync reach ``load_weights`` once,
-    all together, as it commits; a sync refused at its commit never reaches it, and the
-    worker keeps its version, committed (not dirty: its model was never touched)."""
+    all together, as it commits (the worker is ``receiving`` until then, so an engine holds
+    generation off); a sync refused at its commit never reaches it, and the worker keeps
+    its version, committed (not dirty: its model was never touched), and the checksums of
+    what it holds."""
     trainer = MixedModel(seed=0)
     loads: list[dict[str, torch.Tensor]] = []
 
@@ -193,11 +195,15 @@ def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() ->
     try:
         call = SyncCall(seq=0, version=1, verify=True)
         sent, got = ipc_sync(sender, receiver, call)
-        assert loads == [] and receiver.status() == (None, "committed")  # received, nothing loaded yet
+        assert loads == [] and receiver.status() == (None, "receiving")  # received, nothing loaded yet
+        with pytest.raises(WeightSyncError, match="staged"):
+            sink.set_staged(False)  # not between a receive and its commit
         receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
         assert receiver.status() == (1, "committed") and len(loads) == 1  # one load, every tensor
         for name, tensor in module_tensors(trainer):
             assert_bit_equal(loads[0][name], tensor, name)
+        held = receiver.checksums()
+        assert held == sent.tensor_checksums
         perturb(trainer, seed=5)
         call = SyncCall(seq=1, version=2, verify=True)
         sent, got = ipc_sync(sender, receiver, call)
@@ -205,6 +211,7 @@ def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() ->
         with pytest.raises(ChecksumMismatch):
             receiver.commit(call, ok("w", "receive", got), _sent("trainer", wrong), ok("trainer", "send", sent))
         assert receiver.status() == (1, "committed") and len(loads) == 1, "a refused sync reached load_weights"
+        assert receiver.checksums() == held  # what it holds: version 1's bytes, not the refused ones
     finally:
         receiver.close_transports()
         sender.close_transports()

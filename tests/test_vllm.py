@@ -200,6 +200,10 @@ def test_sync_through_the_native_weight_transfer_backend(engine: Any, trainer: A
         assert (rank.version, rank.state) == (3, "committed") and rank.loaded_tensors > 0
         backend = get(engine.collective_rpc.remote(lambda w: type(w.weight_transfer_engine).__name__))
         assert backend == ["WeightsyncTransferEngine"]
+        # Staging works through the worker extension only: refused here, by name.
+        with pytest.raises(ray.exceptions.RayTaskError) as refused:
+            get(engine.stage_updates.remote(True))
+        assert "stage_updates" in str(refused.value) and "use_native(False)" in str(refused.value)
     finally:
         get(engine.use_native.remote(False))
     assert_engine_holds(engine, trainer)

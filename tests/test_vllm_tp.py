@@ -146,19 +146,26 @@ def test_each_tp_rank_is_fed_by_the_trainer_rank_beside_it(engine: Any, sharded:
 def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(
     engine: Any, sharded: list[Any], trainer: Any
 ) -> None:
-    """Runs last for the ranks: rank 1 dies before its third bucket. The sync fails naming
-    it (its TP rank's wait watches its process), the engine says what it holds, and a sync
-    from a whole trainer repairs it."""
+    """Runs last for the ranks: rank 1 dies before its third bucket, with the engine
+    staging its updates. The sync fails naming it (its TP rank's wait watches its
+    process); neither TP rank loaded anything, so the engine stays committed at version 14
+    holding exactly its shards; a sync from a whole trainer then goes through."""
+    full = vm.fused(gathered(sharded), torch.bfloat16)
     get([r.call.remote(vm.nudge_shards, 15) for r in sharded])
     get(sharded[1].die_at_bucket.remote(2))
+    get(engine.stage_updates.remote(True))
     ws = WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60)
-    with pytest.raises(SyncError) as failed:
-        ws.sync(15)
+    try:
+        with pytest.raises(SyncError) as failed:
+            ws.sync(15)
+    finally:
+        get(engine.stage_updates.remote(False))
     err = failed.value
     assert ws.transports() == {"vllm-tp2": "rank-ipc"}
     assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead, str(err)
-    version, state = err.held["vllm-tp2"]
-    assert version == 14 and state in ("committed", "dirty"), err.held
+    assert err.held["vllm-tp2"] == (14, "committed"), err.held
+    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(14, "committed")] * TP
+    assert_every_rank_holds_its_shard(engine, full)
     ws.close()
     get(trainer.call.remote(sgd_step, 16))
     with WeightSync(trainer, {"vllm-tp2": engine}, timeout_s=120) as again:

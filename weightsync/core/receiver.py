@@ -72,6 +72,10 @@ class WeightReceiver:
         #: mode), and by code reading them; see :meth:`reading`.
         self.gate = threading.RLock()
         self.listener: Listener | None = None
+        #: The state a sync found (what a staged sync that failed before loading returns
+        #: to), and whether the sync's bytes reached the model yet.
+        self._before = WorkerState.COMMITTED
+        self._touched = False
         #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
         #: when each rank receives on its own); set by the endpoint that makes it.
         self.part = (0, 1)
@@ -154,9 +158,10 @@ class WeightReceiver:
             try:
                 abort_each([half], failure)
             finally:  # an interrupt raised by the abort still leaves the worker marked
-                self._discard()
                 if self.state is WorkerState.RECEIVING:
-                    self.state = WorkerState.DIRTY
+                    self._fail()
+                else:
+                    self._discard()
             raise failure
         if not stale and half.knows_sender_finished and not call.verify:
             self._commit(call.version)
@@ -208,6 +213,8 @@ class WeightReceiver:
                 blames=[reference.party],
             )
         got: ReceiveResult = received.value
+        if got.parts:  # a worker fed part by part: this part checks what it received itself
+            got = got.parts[self.part[0]]
         if got.stale:
             return got  # nothing was written: the coordinator exports it again
         if call.verify:
@@ -238,9 +245,10 @@ class WeightReceiver:
     def settle(self) -> tuple[int | None, str]:
         """After a failed sync: a worker still receiving is dirty (its bytes may be a mix);
         a staging sink drops what it kept (its model was never touched)."""
-        self._discard()
         if self.state is WorkerState.RECEIVING:
             self._fail()
+        else:
+            self._discard()
         return self.status()
 
     def _check_version(self, call: SyncCall) -> None:
@@ -255,11 +263,16 @@ class WeightReceiver:
         return bool(getattr(self.sink, "staged", False))
 
     def _begin(self) -> None:
-        if not self._stages():  # a staging sink's model is untouched until the commit
-            self.state = WorkerState.RECEIVING
+        # ``receiving`` from the first byte to the commit, staged or not: an engine holds
+        # generation off on it (the commit is when a staging sink loads). What a failure
+        # leaves depends on whether anything reached the model: see _fail.
+        self._before = self.state
+        self._touched = not self._stages()
+        self.state = WorkerState.RECEIVING
 
     def _commit(self, version: int) -> None:
         if self._stages():
+            self._touched = True
             self.state = WorkerState.RECEIVING
             try:
                 self.sink.land()  # type: ignore[attr-defined]
@@ -275,9 +288,12 @@ class WeightReceiver:
 
     def _fail(self) -> None:
         """A sync is refused: the worker is dirty if bytes reached its tensors; a staging
-        sink's model was never touched, so it keeps its version, committed."""
+        sink's model was never touched, so it goes back to what it was before the sync
+        (its version, committed)."""
         self._discard()
-        if self._stages() and self.state is not WorkerState.RECEIVING:
+        if self._stages() and not self._touched:
+            if self.state is WorkerState.RECEIVING:
+                self.state = self._before
             return
         self.state = WorkerState.DIRTY
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.transport.base import Landing
-from weightsync.core.wire.errors import ManifestError, ModelChangedError
+from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
 
@@ -255,26 +255,36 @@ class LoadWeightsSink:
         self._record = record_checksums
         self._received: dict[str, torch.Tensor] = {}
         self._staged: list[tuple[str, torch.Tensor]] = []
+        #: Checksums of the staged tensors: what the sink will hold once they land.
+        self._staged_sums: dict[str, torch.Tensor] = {}
+        self.staged = False
         self.set_staged(staged)
 
     def set_staged(self, staged: bool) -> None:
-        """Stage whole syncs (see the class doc) from the next sync on."""
+        """Stage whole syncs (see the class doc) from the next sync on; refused while a
+        sync's tensors wait to land (between a receive and its commit)."""
         if not isinstance(staged, bool):
             raise TypeError(f"staged must be True or False, got {staged!r}")
+        if self._staged:
+            raise WeightSyncError(
+                f"staged={staged}: {len(self._staged)} tensor(s) of a sync wait for its commit; change staging "
+                "between syncs, not during one"
+            )
         self.staged = staged
         self.keeps_references = not self._copies or staged
-        self._staged = []
 
     def land(self) -> None:
         """Load what a staged sync kept (the receiver calls it as the sync commits)."""
         items, self._staged = self._staged, []
+        sums, self._staged_sums = self._staged_sums, {}
         if items:
             with torch.no_grad():
                 self._load_weights(iter(items))
+        self._received.update(sums)
 
     def discard(self) -> None:
         """Drop what a staged sync kept: it failed, the model was never touched."""
-        self._staged = []
+        self._staged, self._staged_sums = [], {}
 
     @property
     def records_checksums(self) -> bool:
@@ -289,17 +299,21 @@ class LoadWeightsSink:
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             if self._record:
+                sums = self._staged_sums if self.staged else self._received
                 for name, tensor in items:
-                    self._received[name] = word_sum(tensor)
+                    sums[name] = word_sum(tensor)
             if self.staged:
                 self._staged.extend(items)
             else:
                 self._load_weights(iter(items))
 
     def checksums(self, manifest: Manifest) -> list[int] | None:
-        if not self._record or any(spec.name not in self._received for spec in manifest.specs):
+        """What the sink holds, or with a staged sync waiting for its commit, what it will
+        hold once that lands (what a verified commit checks first)."""
+        sums = {**self._received, **self._staged_sums}
+        if not self._record or any(spec.name not in sums for spec in manifest.specs):
             return None
-        return read_checksums([self._received[spec.name] for spec in manifest.specs])
+        return read_checksums([sums[spec.name] for spec in manifest.specs])
 
     def direct_tensors(self, manifest: Manifest) -> None:
         return None

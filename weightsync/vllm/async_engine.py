@@ -111,7 +111,9 @@ class _AsyncVLLMWorker:
         self._hold = SyncHold(_check_mode(pause_mode))
         self._specs = tuple(expected_specs) if expected_specs is not None else None
         self._check_model = check_model
-        self._stage_updates = bool(stage_updates)
+        if not isinstance(stage_updates, bool):
+            raise ValueError(f"stage_updates must be True or False, got {stage_updates!r}")
+        self._stage_updates = stage_updates
         self._engine_kwargs = engine_kwargs
         self._llm: Any = None
         self._broken: str | None = None
@@ -215,10 +217,11 @@ class _AsyncVLLMWorker:
     # the coordinator's protocol ---------------------------------------------------------------
     async def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         async with self._lock:
-            every = self._routing.every_rank(method, args)
-            payload = encode_call(Call(method, args, kwargs, every_rank=every))
             try:
                 llm = await self._started()  # inside: an unusable engine still ends an open hold
+                # After the start: how many TP ranks there are decides the routing.
+                every = self._routing.every_rank(method, args)
+                payload = encode_call(Call(method, args, kwargs, every_rank=every))
                 if self._hold.begins(method):
                     self._hold.start(in_flight=llm.get_num_unfinished_requests())
                     pause = llm.pause_generation(mode=self._hold.mode, clear_cache=True)
@@ -321,6 +324,15 @@ class _AsyncVLLMWorker:
             payload = encode_call(Call(fn, tuple(args), dict(kwargs or {})))
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(await self._rpc("weightsync_call", (payload,)), label)]
+
+    async def stage_updates(self, staged: bool) -> None:
+        """As :meth:`VLLMWorker.stage_updates <weightsync.vllm.VLLMWorker.stage_updates>`:
+        keep each sync's tensors on every TP rank until it commits (True) or load them as
+        they arrive (False), from the next sync on."""
+        async with self._lock:
+            await self._started()
+            self._replies(await self._rpc("weightsync_stage", (staged,)), "stage_updates")
+            self._stage_updates = staged
 
     async def ranks(self) -> list[RankInfo]:
         """Each TP rank: pid, device, tensors loaded so far, version and state."""

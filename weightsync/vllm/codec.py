@@ -56,6 +56,8 @@ class Call:
             raise TypeError(f"Call.target must be a method name or a callable, got {self.target!r}")
         if not isinstance(self.args, tuple) or not isinstance(self.kwargs, dict):
             raise TypeError("Call.args must be a tuple and Call.kwargs a dict")
+        if not isinstance(self.every_rank, bool):
+            raise TypeError(f"Call.every_rank must be True or False, got {self.every_rank!r}")
 
     @property
     def label(self) -> str:

@@ -81,6 +81,10 @@ class _VLLMWorker:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not isinstance(stage_updates, bool):
+            raise ValueError(f"stage_updates must be True or False, got {stage_updates!r}")
+        if native and stage_updates:
+            raise ValueError("stage_updates=True works through the worker extension; drop native=True")
         os.environ.update(env or {})  # before vLLM reads its settings
         from vllm import LLM
 
@@ -105,6 +109,7 @@ class _VLLMWorker:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-rpc")
         self._version: int | None = None
         self._rank_pids: list[int] = []
+        self._staged = stage_updates
         self._routing = PartRouting(1)
         self.llm = LLM(**llm_kwargs)
         if expected_specs is None and check_model:
@@ -129,6 +134,11 @@ class _VLLMWorker:
         sessions, then run setup again (a new WeightSync does)."""
         if native and not self._has_backend:
             raise WeightSyncError(f"{self.name}: started with another weight_transfer_config; the native path is off")
+        if native and self._staged:
+            raise WeightSyncError(
+                f"{self.name}: stages its updates (stage_updates), which the native path does not; "
+                "call stage_updates(False) first"
+            )
         with self._lock:
             self.native = bool(native)
             self._routing = PartRouting(1 if self.native else len(self._rank_pids))
@@ -264,7 +274,13 @@ class _VLLMWorker:
         costs a second copy of the model's bytes per rank during a sync. False: load as
         they arrive (the default). Takes effect from the next sync; extension mode only."""
         with self._lock:
-            self._replies(self._rpc("weightsync_stage", args=(bool(staged),)), "stage_updates")
+            if self.native:
+                raise WeightSyncError(
+                    f"{self.name}: stage_updates works through the worker extension, and this engine syncs through "
+                    "vLLM's native backend; call use_native(False) first"
+                )
+            self._replies(self._rpc("weightsync_stage", args=(staged,)), "stage_updates")
+            self._staged = staged
 
     def ranks(self) -> list[RankInfo]:
         """Each TP rank: pid, device, tensors loaded so far, version and state."""

@@ -140,7 +140,13 @@ def _result(results: Sequence[ReceiveResult], name: str) -> ReceiveResult:
     assert state is not None
     stale = tuple(dict.fromkeys(s for r in results for s in r.stale))
     return dataclasses.replace(
-        results[0], worker=name, version=state[0], state=state[1], seconds=max(r.seconds for r in results), stale=stale
+        results[0],
+        worker=name,
+        version=state[0],
+        state=state[1],
+        seconds=max(r.seconds for r in results),
+        stale=stale,
+        parts=tuple(dataclasses.replace(r, parts=()) for r in results),
     )
 
 

@@ -56,9 +56,9 @@ class RankEndpoint(WorkerMixin):
         #: "relay" (handed on by rank 0), or "" before any.
         self.fed_by = ""
         self.mirrored_state: tuple[int | None, str] | None = None  # a follower's copy of rank 0's
-        #: True while the current call runs on this rank alone (no relay), and from a
-        #: parts-feeding transport's opening until a call is led by rank 0 again.
+        #: True while the current call runs on this rank alone (nothing is relayed).
         self._alone = False
+        #: True from a parts-feeding transport's opening until a call is led by rank 0 again.
         self.fed_by_parts = False
         self.name = name
         #: Which part of the engine this rank is (read by WorkerMixin for its receiver).
@@ -91,7 +91,7 @@ class RankEndpoint(WorkerMixin):
             self.relayed += len(items)
         receiver = getattr(self, "_ws_receiver", None)
         half = receiver.active_half if receiver is not None else None
-        self.fed_by = half.kind if half is not None else "?"
+        self.fed_by = half.kind if half is not None else ""
         self._load_here(items)
 
     def _load_here(self, items: list[tuple[str, torch.Tensor]]) -> None:

@@ -292,6 +292,17 @@ class ReceiveResult:
     #: Seconds this worker held generation off for this sync (an inference engine that
     #: pauses or blocks generation around its loads); None when it does not say.
     held_off_s: float | None = None
+    #: A worker fed part by part (``EndpointInfo.parts``): each part's own result, in part
+    #: order, which that part's commit checks (its chunks against its own rank's); the
+    #: fields above then describe the worker as a whole.
+    parts: tuple[ReceiveResult, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
+        _require(
+            all(isinstance(p, ReceiveResult) and not p.parts for p in self.parts),
+            f"{self.worker}: a receive result's parts must be ReceiveResults of single parts",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

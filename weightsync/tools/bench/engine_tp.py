@@ -108,7 +108,8 @@ def engine_tp_cases(bench: Timer, size: str, copy_s: float | None) -> None:
         path = str(write_llama(Path(tmp), size))
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         if not torch.cuda.is_available():
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(k % max(1, _cores())) for k in range(tp))
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[k % len(cores)]) for k in range(tp))
         engine = VLLMWorker.options(num_cpus=0).remote(
             model=path,
             dtype="bfloat16",
@@ -134,10 +135,6 @@ def engine_tp_cases(bench: Timer, size: str, copy_s: float | None) -> None:
                     ray.kill(handle)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
 def _one_case(
     bench: Timer,
     size: str,
@@ -153,7 +150,7 @@ def _one_case(
     try:
         built = ws.setup()
     except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-        print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
+        print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}", flush=True)
         return
     # The Llama's own bytes on the wire (about the size's; the limit is one copy of the size).
     case = Case(
