@@ -143,31 +143,58 @@ def test_each_tp_rank_is_fed_by_the_trainer_rank_beside_it(engine: Any, sharded:
     )
 
 
+def test_a_tp_rank_that_fails_its_receive_leaves_no_rank_on_the_new_version(engine: Any, sharded: list[Any]) -> None:
+    """TP rank 1's load fails at its last tensor while rank 0 receives all of its own, the
+    engine staging its updates: no rank takes version 15 (each part commits only once the
+    engine's whole receive succeeded), so the engine stays committed at version 14 on
+    both ranks, holding exactly its shards; the same sync then goes through."""
+    held = vm.fused(gathered(sharded), torch.bfloat16)
+    get([r.call.remote(vm.nudge_shards, 15) for r in sharded])
+    get(engine.stage_updates.remote(True))
+    try:
+        with WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60) as ws:
+            specs = len(ws.setup().specs)
+            get(engine.collective_rpc.remote(vm.fail_receive_once, (1, specs)))
+            with pytest.raises(SyncError) as failed:
+                ws.sync(15)
+        err = failed.value
+        assert err.culprits == ["vllm-tp2"] and "TP rank 1" in str(err), str(err)
+        assert err.held["vllm-tp2"] == (14, "committed"), err.held
+        assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(14, "committed")] * TP
+        assert_every_rank_holds_its_shard(engine, held)
+        with WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60) as ws:
+            assert ws.sync(15).workers[0].state == "committed"
+    finally:
+        get(engine.stage_updates.remote(False))
+    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(15, "committed")] * TP
+    assert_every_rank_holds_its_shard(engine, vm.fused(gathered(sharded), torch.bfloat16))
+
+
 def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(
     engine: Any, sharded: list[Any], trainer: Any
 ) -> None:
     """Runs last for the ranks: rank 1 dies before its third bucket, with the engine
     staging its updates. The sync fails naming it (its TP rank's wait watches its
-    process); neither TP rank loaded anything, so the engine stays committed at version 14
+    process); neither TP rank loaded anything, so the engine stays committed at version 15
     holding exactly its shards; a sync from a whole trainer then goes through."""
     full = vm.fused(gathered(sharded), torch.bfloat16)
-    get([r.call.remote(vm.nudge_shards, 15) for r in sharded])
+    get([r.call.remote(vm.nudge_shards, 16) for r in sharded])
     get(sharded[1].die_at_bucket.remote(2))
     get(engine.stage_updates.remote(True))
     ws = WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60)
     try:
         with pytest.raises(SyncError) as failed:
-            ws.sync(15)
+            ws.sync(16)
     finally:
         get(engine.stage_updates.remote(False))
     err = failed.value
     assert ws.transports() == {"vllm-tp2": "rank-ipc"}
     assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead, str(err)
-    assert err.held["vllm-tp2"] == (14, "committed"), err.held
-    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(14, "committed")] * TP
+    assert err.held["vllm-tp2"] == (15, "committed"), err.held
+    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(15, "committed")] * TP
     assert_every_rank_holds_its_shard(engine, full)
     ws.close()
-    get(trainer.call.remote(sgd_step, 16))
+    get(trainer.call.remote(sgd_step, 17))
     with WeightSync(trainer, {"vllm-tp2": engine}, timeout_s=120) as again:
-        assert again.sync(16).workers[0].state == "committed"
+        assert again.sync(17).workers[0].state == "committed"
     assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))

@@ -6,6 +6,8 @@ vLLM worker processes to read back what the engine holds.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -102,6 +104,28 @@ def prompt_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:
 
 
 # --- functions run inside the vLLM worker processes (through VLLMWorker.collective_rpc) ---
+
+
+def fail_receive_once(worker: Any, tp_rank: int, tensors: int) -> None:
+    """On TP rank ``tp_rank`` only: the next sync's receive fails once ``tensors`` tensors
+    reached the rank's sink (the rest of the engine receives normally), as a load that
+    fails on one rank would; the sink works again afterwards."""
+    endpoint = worker._weightsync_ep()
+    if endpoint.tp_rank != tp_rank:
+        return
+    sink = endpoint.weightsync_sink
+    consume = sink.consume
+    seen = 0
+
+    def failing(items: list[tuple[str, torch.Tensor]]) -> None:
+        nonlocal seen
+        seen += len(items)
+        if seen >= tensors:
+            del sink.consume
+            raise RuntimeError(f"TP rank {tp_rank}: load failed after {seen} tensors (injected by the test)")
+        consume(items)
+
+    sink.consume = failing
 
 
 def engine_params(worker: object) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ worker runs each worker action (``Transport.feeds_parts``)::
              worker's place among the members) and installs RankIpcReceiver
     seal     every rank unlinks its shared-memory names
 
-A part commits once its own receive returns (its rank's control block says the rank
-finished); the worker answers for its parts together.
+The worker answers each call for its parts together. A part commits only in the commit call
+chained on the worker's receive and every rank's send (the receive half does not commit
+alone): once every part received, so all parts take the version or none does.
 """
 
 from __future__ import annotations
