@@ -4,8 +4,9 @@ vLLM's CPU build runs TP=2 on a 2-core machine only with its worker threads boun
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Every TP rank is a receiver, each loading the full
 tensors and keeping its shard: fed by one trainer, rank 0 through the transport and rank 1
 over vLLM's TP group (the relay); fed by a sharded trainer of two ranks beside them, each
-TP rank by its own trainer rank (``rank-ipc``), both at once. Each rank's parameters are
-checked bit for bit against the trainer's shard.
+TP rank by its own trainer rank (``rank-ipc``), both at once; and an ``AsyncLLM`` engine of
+two TP ranks fed both ways with requests in flight. Each rank's parameters are checked bit
+for bit against the trainer's shard.
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ vllm = pytest.importorskip(
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import ActorPool  # noqa: E402
-from tests.test_vllm import ENV, assert_logprobs_match, get, start_engine, stop_engine  # noqa: E402
+from tests.test_vllm import (  # noqa: E402
+    ENGINE_START_S,
+    ENV,
+    assert_logprobs_match,
+    engine_kwargs,
+    get,
+    start_engine,
+    stop_engine,
+)
+from tests.test_vllm_async import LONG, sync_with_requests_in_flight  # noqa: E402
 from tests.test_vllm_casts import BUFFER, Rank, gathered  # noqa: E402
 from weightsync import SyncError, TrainerActor, WeightSync  # noqa: E402
 from weightsync.glue.ranks import RankSpec  # noqa: E402
+from weightsync.vllm import AsyncVLLMWorker  # noqa: E402
 
 TP = 2
 
@@ -37,12 +48,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(vm.write_checkpoint(tmp_path_factory.mktemp("tiny-llama-tp")))
 
 
-@pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+def tp_env() -> dict[str, str]:
     env = {**ENV}
     if not torch.cuda.is_available():
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=env)
+    return env
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
     yield handle
     stop_engine(handle)
 
@@ -168,6 +183,35 @@ def test_a_tp_rank_that_fails_its_receive_leaves_no_rank_on_the_new_version(engi
         get(engine.stage_updates.remote(False))
     assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(15, "committed")] * TP
     assert_every_rank_holds_its_shard(engine, vm.fused(gathered(sharded), torch.bfloat16))
+
+
+@pytest.fixture
+def async_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    """An AsyncLLM engine of 2 TP ranks, for one test (it shares the cores with the other)."""
+    handle = AsyncVLLMWorker.options(num_cpus=0).remote(
+        **engine_kwargs(checkpoint, name="vllm-async", tensor_parallel_size=TP, env=tp_env())
+    )
+    get(handle.start.remote(), ENGINE_START_S)
+    yield handle
+    stop_engine(handle)
+
+
+def test_an_async_engine_of_two_tp_ranks_syncs_with_requests_in_flight(
+    async_engine: Any, sharded: list[Any], trainer: Any
+) -> None:
+    """AsyncLLM at TP=2, requests in flight (paused and resumed): fed per rank by the two
+    FSDP2 ranks (``rank-ipc``), then relayed from one trainer; each time every request
+    completes, each TP rank holds its shard of the new weights bit for bit and reports the
+    version, and so does the engine."""
+    for version, source, fed_by in ((1, sharded, ["rank-ipc"] * TP), (2, trainer, ["ipc", "relay"])):
+        outs, _ = sync_with_requests_in_flight(async_engine, source, version)
+        assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [(LONG, "length")] * 3
+        full = vm.fused(gathered(sharded), torch.bfloat16) if version == 1 else get(trainer.call.remote(vm.fused_bf16))
+        assert_every_rank_holds_its_shard(async_engine, full)
+        ranks = get(async_engine.ranks.remote())
+        assert [(r.version, r.state, r.fed_by) for r in ranks] == [(version, "committed", f) for f in fed_by], ranks
+        assert get(async_engine.weight_version.remote()) == str(version)
+    assert_logprobs_match(async_engine, None, trainer)
 
 
 def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(

@@ -170,6 +170,8 @@ class RankEndpoint(WorkerMixin):
         ends once this rank's receiver left ``receiving``."""
         if target == "ws_open":
             self.fed_by_parts = True
+        # This rank's receiver speaks for it from here; what rank 0 last relayed is stale.
+        self.mirrored_state = None
         self._alone = True
         try:
             out = run_call(body, self.receiver_state)
