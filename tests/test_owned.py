@@ -286,6 +286,12 @@ def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two:
         err = failed.value
         assert err.culprits == ["trainer-rank-1"], str(err)
         assert err.outcomes["trainer-rank-1"].status is Status.TIMED_OUT
+        # Each worker's commit waits for the frozen rank's answer: no settle is queued behind
+        # it (it would wait a deadline for nothing); the error says what each waits for.
+        assert err.waiting == {name: ["trainer-rank-1"] for name in workers}, str(err)
+        assert not set(err.held) & set(workers), err.held
+        for name in workers:
+            assert any(name in line and "trainer-rank-1" in line for line in str(err).splitlines()[1:]), str(err)
         # A worker's commit waits on every rank's answer, so once the thawed rank answered
         # (its group was aborted), no worker holds version 18: each keeps 17, dirty if written.
         for handle in workers.values():

@@ -8,8 +8,11 @@ the outcomes; the caller carries the verdict out::
     if verdict is not None:
         drop verdict.dead workers            (their actors died: named, never asked again)
         settle verdict.settle(workers)       (everyone who can still answer reports its state;
-                                              a worker left mid-write reports itself dirty)
-        tear down, skipping verdict.silent   (they gave no answer: asking again would wait again)
+                                              a worker left mid-write reports itself dirty;
+                                              one whose chained commit waits for a silent
+                                              party is named instead: Ray would queue it)
+        tear down, skipping verdict.silent   (they gave no answer: asking again would wait again;
+                                              nor a worker whose chained commit waits for one)
         raise verdict.sync_error(held, dropped)      or verdict.setup_error(dropped)
 
 Blame comes from :func:`~weightsync.core.wire.outcome.assign_blame`: a party that died or
@@ -45,16 +48,26 @@ class Verdict:
         gone = {*self.dead, *self.silent}
         return [w for w in workers if w not in gone]
 
-    def message(self, held: Held | None = None, dropped: Sequence[str] = ()) -> str:
+    def message(
+        self, held: Held | None = None, dropped: Sequence[str] = (), waiting: Mapping[str, Sequence[str]] | None = None
+    ) -> str:
         lines = describe_failure(self.title, self.outcomes, self.culprits)
         if dropped:
             lines += f"\n  dropped dead worker(s) {', '.join(dropped)}; the next sync sets up without them"
         if held:
             lines += "\n  workers now hold: " + ", ".join(f"{n} v{v} {s}" for n, (v, s) in sorted(held.items()))
+        for name, parties in sorted((waiting or {}).items()):
+            lines += (
+                f"\n  {name} was not settled: its commit waits for the answer of {', '.join(parties)}, which gave "
+                "none; it settles once they answer or die (ws_status() then says what it holds)"
+            )
         return lines
 
-    def sync_error(self, held: Held | None = None, dropped: Sequence[str] = ()) -> SyncError:
-        return SyncError(self.message(held, dropped), self.outcomes, self.culprits, self.dead, held)
+    def sync_error(
+        self, held: Held | None = None, dropped: Sequence[str] = (), waiting: Mapping[str, Sequence[str]] | None = None
+    ) -> SyncError:
+        message = self.message(held, dropped, waiting)
+        return SyncError(message, self.outcomes, self.culprits, self.dead, held, waiting)
 
     def setup_error(self, dropped: Sequence[str] = ()) -> SetupError:
         return SetupError(self.message(None, dropped), self.outcomes, self.culprits, self.dead)

@@ -70,9 +70,11 @@ class Round:
         # with the lead's checksums (one reference for every rank's workers).
         chained = {m.name for m in members if call.verify or not registry.get(m.transport).commits_alone}
         reference = calls[(lead, "send")]
+        waits: dict[str, set[str]] = {}  # per chained commit, whose answers Ray waits for
         for m in (m for m in members if m.name in chained):
             servers = self.ranks.names if m.name in every else [self.ranks.names[m.rank]]
             sent = [calls[(server, "send")] for server in servers]
+            waits[m.name] = {*servers, *([lead] if call.verify else [])}
             calls[(m.name, "commit")] = m.handle.ws_commit.remote(
                 call, calls[(m.name, "receive")], reference if call.verify else None, *sent
             )
@@ -83,7 +85,7 @@ class Round:
             final[m.name] = outs[(m.name, "commit")] if m.name in chained and received.ok else received
         verdict = judge(final, f"sync failed during the transfer of version {call.version}")
         if verdict is not None:
-            self.fail(verdict)
+            self.fail(verdict, waits)
         return final[lead].value, {m.name: final[m.name].value for m in members}
 
     def push(self, call: SyncCall, set_up: Callable[[], object]) -> Results:
@@ -109,10 +111,24 @@ class Round:
             self.fail(verdict)
         return result.sent.value, {n: a.outcome.value for n, a in result.workers.items()}
 
-    def fail(self, verdict: Verdict) -> NoReturn:
-        """Carry out ``verdict``: drop the dead, settle who can answer, tear down, raise."""
+    def fail(self, verdict: Verdict, waits: Mapping[str, set[str]] | None = None) -> NoReturn:
+        """Carry out ``verdict``: drop the dead, settle who can answer, tear down, raise.
+
+        ``waits``: per worker whose commit was chained on other parties' answers, those
+        parties. Ray starts an actor's calls in order, and a call still waiting for an
+        argument holds back the ones after it: a worker whose commit waits for a silent
+        party (a frozen trainer rank) would take a settle or teardown only once that party
+        answered, so neither is sent (each would wait a deadline for nothing); the error
+        names what the worker waits for.
+        """
         dropped = self.membership.drop(verdict.dead)
-        settle = verdict.settle(self.membership.members)
+        silent = set(verdict.silent)
+        waiting = {
+            name: sorted(parties & silent)
+            for name, parties in (waits or {}).items()
+            if parties & silent and name in self.membership.members
+        }
+        settle = [name for name in verdict.settle(self.membership.members) if name not in waiting]
         settled = self.steps.gather(
             {(name, "settle"): self.membership.members[name].handle.ws_settle.remote() for name in settle}
         )
@@ -122,8 +138,8 @@ class Round:
                 held[name] = o.value
             else:
                 log.warning("weightsync: could not settle %s after a failed sync: %s", name, o.line())
-        self.steps.teardown(abort=True, skip=verdict.silent, why="a failed sync")
-        raise verdict.sync_error(held, dropped)
+        self.steps.teardown(abort=True, skip={*verdict.silent, *waiting}, why="a failed sync")
+        raise verdict.sync_error(held, dropped, waiting)
 
 
 def stale_members(results: Mapping[str, ReceiveResult], membership: Membership) -> list[Member]:

@@ -137,8 +137,9 @@ class SyncError(_CoordinatorError):
 
     ``outcomes``: every party's outcome; ``culprits``: the parties blamed; ``dead``: workers
     and the trainer whose actor died (dead workers are dropped from the WeightSync, reported
-    here); ``held``: each live
-    worker's (version, state) after the failure.
+    here); ``held``: each live worker's (version, state) after the failure; ``waiting``:
+    the workers that could not be asked for theirs, each with the parties whose answers its
+    commit still waits for (it settles once they answer or die; ``ws_status()`` then says).
     """
 
     def __init__(
@@ -148,9 +149,11 @@ class SyncError(_CoordinatorError):
         culprits: Sequence[str],
         dead: Sequence[str] = (),
         held: Mapping[str, tuple[int | None, str]] | None = None,
+        waiting: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         super().__init__(message, outcomes, culprits, dead)
         self.held: dict[str, tuple[int | None, str]] = dict(held or {})
+        self.waiting: dict[str, list[str]] = {name: list(parties) for name, parties in (waiting or {}).items()}
 
 
 class VerificationError(WeightSyncError):
