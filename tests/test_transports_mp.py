@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -217,10 +218,10 @@ ABORT_OP_TIMEOUT_S = 8.0
 
 def _wait_for_rank_0(port: int, ready, queue) -> None:  # type: ignore[no-untyped-def]
     """Rank 1: joins, then waits (for up to the op timeout) on a broadcast from rank 0 that
-    rank 0 never sends; reports the error class and text it ended with."""
+    rank 0 never sends; reports the error class and text it ended with, then exits at once
+    (a normal exit would wait the op timeout for its dropped group's pending receive)."""
     try:
         ready.put("joining")
-        # A short op timeout: this process's exit waits for its dropped group that long.
         comm = GlooCommunicator("127.0.0.1", port, 1, 2, "abort", ABORT_OP_TIMEOUT_S)
         ready.put("joined")
         try:
@@ -231,6 +232,10 @@ def _wait_for_rank_0(port: int, ready, queue) -> None:  # type: ignore[no-untype
         comm.abort()
     except BaseException as exc:
         queue.put(("setup", repr(exc)))
+    for q in (ready, queue):
+        q.close()
+        q.join_thread()  # the report is in the pipe before the exit
+    os._exit(0)
 
 
 @pytest.mark.parametrize("attempt", range(5))
