@@ -10,8 +10,10 @@ import pytest
 
 from weightsync.core.choice import choose_transport
 from weightsync.core.wire.errors import PeerAborted, SettingsError, TransferTimeout, WeightSyncError
-from weightsync.core.wire.messages import EndpointInfo, ReceiveResult
+from weightsync.core.wire.messages import EndpointInfo, ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Status, failed, ok
+from weightsync.glue.membership import Member
+from weightsync.glue.round import commits_alone
 from weightsync.vllm.parts import PartRouting, combine, combine_states
 
 
@@ -145,3 +147,19 @@ def test_parts_that_hold_other_bytes_are_named() -> None:
     assert same.ok and same.value == [1, 2, 3]
     differ = combine("ws_checksums", [ok("vllm", "checksums", [1, 2, 3]), ok("vllm", "checksums", [1, 9, 3])], "vllm")
     assert not differ.ok and "TP rank 1" in differ.message and "#1" in differ.message
+
+
+def test_a_staging_worker_fed_by_parts_commits_in_a_chained_call() -> None:
+    """Parts of an engine that stages commit together (after every part received); one
+    that does not stage, or a staging worker on any other transport, commits alone; what
+    crosses to the parties is validated by name."""
+    staged = _engine(_info("n1", 10, stages=True), _info("n1", 11, stages=True))
+    plain = _engine(_info("n1", 10), _info("n1", 11))
+    assert not commits_alone(Member(name="vllm", handle=None, requested="auto", transport="rank-ipc", info=staged))
+    assert commits_alone(Member(name="vllm", handle=None, requested="auto", transport="rank-ipc", info=plain))
+    assert commits_alone(Member(name="vllm", handle=None, requested="auto", transport="ipc", info=staged))
+    assert not commits_alone(Member(name="vllm", handle=None, requested="auto", transport="broadcast", info=plain))
+    with pytest.raises(WeightSyncError, match="stages"):
+        _info("n1", stages="yes")
+    with pytest.raises(WeightSyncError, match="chained"):
+        SyncCall(seq=0, version=1, chained=["vllm"])  # type: ignore[arg-type]

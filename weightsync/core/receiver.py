@@ -163,7 +163,7 @@ class WeightReceiver:
                 else:
                     self._discard()
             raise failure
-        if not stale and half.knows_sender_finished and not call.verify:
+        if not stale and half.knows_sender_finished and not call.verify and self.name not in call.chained:
             self._commit(call.version)
         return ReceiveResult(
             worker=self.name,

@@ -6,7 +6,8 @@ A round, as :class:`Round` runs it::
                                                                     and first chunk overlap the
                                                                     workers' calls starting)
     per worker:        ws_receive(call)
-    per worker whose transport cannot tell that the sender finished, and every worker
+    per worker whose transport cannot tell that the sender finished, every worker fed
+    part by part that stages, and every worker
     with verify:       ws_commit(call, receive ref, lead's send ref  (chained on the answers by
                                  with verify, *send refs)            object refs: no round trip;
                                                                      every rank's with owner
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from weightsync.core import registry
@@ -39,6 +41,15 @@ from weightsync.glue.steps import Steps
 
 log = logging.getLogger("weightsync")
 Results = tuple[SendResult, dict[str, ReceiveResult]]
+
+
+def commits_alone(member: Member) -> bool:
+    """Whether ``member`` commits as its receive returns (without verify): its transport's
+    rule, except that a worker fed part by part whose sink stages (``EndpointInfo.stages``)
+    commits in a chained call, once every part received, so all parts load or none does."""
+    transport = registry.get(member.transport)
+    staged_parts = transport.feeds_parts and member.info is not None and member.info.stages
+    return transport.commits_alone and not staged_parts
 
 
 def targets(members: Sequence[Member]) -> dict[str, tuple[str, ...]]:
@@ -61,14 +72,16 @@ class Round:
         lead = self.ranks.lead
         calls: dict[tuple[str, str], Any] = {}
         every = {m.name for m in members if registry.get(m.transport).serving is Serving.EVERY}
+        # With verify every worker commits in a chained call: its destination is compared
+        # with the lead's checksums (one reference for every rank's workers). The workers
+        # are told which of them wait for that call rather than commit in their receive.
+        chained = {m.name for m in members if call.verify or not commits_alone(m)}
+        call = replace(call, chained=tuple(sorted(chained)))
         for r, (rank, handle) in enumerate(self.ranks.parties().items()):
             mine = [m.name for m in members if m.rank == r or m.name in every]
             calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
         for m in members:
             calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
-        # With verify every worker commits in a chained call: its destination is compared
-        # with the lead's checksums (one reference for every rank's workers).
-        chained = {m.name for m in members if call.verify or not registry.get(m.transport).commits_alone}
         reference = calls[(lead, "send")]
         waits: dict[str, set[str]] = {}  # per chained commit, whose answers Ray waits for
         for m in (m for m in members if m.name in chained):

@@ -11,6 +11,7 @@ after a failure -> ws_teardown. No method names a transport.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.core.transport.plugin import Plugin
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import SyncCall
+from weightsync.core.wire.messages import EndpointInfo, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
@@ -63,7 +64,12 @@ class WorkerMixin:
 
     def ws_describe(self) -> Outcome:
         sink = getattr(self, "weightsync_sink", None)
-        return answer(self._me(), "describe", describe, self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+
+        def where() -> EndpointInfo:
+            info = describe(self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+            return dataclasses.replace(info, stages=bool(getattr(sink, "staged", False)))
+
+        return answer(self._me(), "describe", where)
 
     def ws_accept(
         self, manifest: Manifest, name: str, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S

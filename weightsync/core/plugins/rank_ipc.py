@@ -16,9 +16,11 @@ worker runs each worker action (``Transport.feeds_parts``)::
              worker's place among the members) and installs RankIpcReceiver
     seal     every rank unlinks its shared-memory names
 
-The worker answers each call for its parts together. A part commits only in the commit call
-chained on the worker's receive and every rank's send (the receive half does not commit
-alone): once every part received, so all parts take the version or none does.
+The worker answers each call for its parts together. A part commits as its own receive
+returns (its rank's control block says the rank finished), unless the worker stages its
+updates (``EndpointInfo.stages``): then the coordinator chains a commit on the worker's
+whole receive and every rank's send, and every part commits there, so all parts load the
+version or none does.
 """
 
 from __future__ import annotations

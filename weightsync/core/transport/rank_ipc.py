@@ -42,11 +42,6 @@ class RankIpcReceiver(IpcReceiver):
     """Part k of a worker: attaches trainer rank ``server``'s slots (named in its failures)."""
 
     kind = KIND
-    # A part knows its own rank finished, not that its sibling parts received: it commits
-    # in the chained call, which sees the worker's whole receive (every part's) and every
-    # rank's send, so no part takes a version another part did not get (and a staging
-    # engine loads nothing until all of it arrived everywhere).
-    knows_sender_finished = False
 
     def __init__(self, session: Session, device: torch.device, server: str, part: int) -> None:
         super().__init__(session, device)

@@ -48,9 +48,14 @@ class EndpointInfo:
     #: the trainer rank beside it read it (``rank-ipc``); the others serve part 0, this
     #: endpoint, which hands the bytes on to its other parts itself.
     parts: tuple[EndpointInfo, ...] = ()
+    #: A worker whose sink keeps a sync's tensors until its commit (``LoadWeightsSink(staged=True)``,
+    #: an engine's ``stage_updates``): fed part by part, its parts then commit together, in a
+    #: call chained on the whole worker's receive, so a failing part leaves no part loaded.
+    stages: bool = False
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(isinstance(self.stages, bool), f"endpoint stages must be True or False, got {self.stages!r}")
         object.__setattr__(self, "parts", tuple(self.parts))
         _require(
             all(isinstance(p, EndpointInfo) and not p.parts for p in self.parts),
@@ -232,9 +237,17 @@ class SyncCall:
     #: workers it writes (all of its workers on it, or only those re-exported). None: every
     #: open half with all its peers (a single-process caller that opened them itself).
     targets: dict[str, tuple[str, ...]] | None = None
+    #: The workers the coordinator sends a commit after their receive, beyond those whose
+    #: transport cannot tell that the sender finished and every worker with ``verify``: a
+    #: worker named here never commits in its receive.
+    chained: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(
+            isinstance(self.chained, tuple) and all(isinstance(w, str) for w in self.chained),
+            f"chained must be a tuple of worker names, got {self.chained!r}",
+        )
         _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
         _require(
             isinstance(self.verify, bool) and isinstance(self.force, bool), "verify and force must be True or False"
