@@ -163,3 +163,15 @@ def test_a_staging_worker_fed_by_parts_commits_in_a_chained_call() -> None:
         _info("n1", stages="yes")
     with pytest.raises(WeightSyncError, match="chained"):
         SyncCall(seq=0, version=1, chained=["vllm"])  # type: ignore[arg-type]
+
+
+def test_staging_is_refused_to_change_while_the_engine_is_fed_by_parts() -> None:
+    routing = PartRouting(2)
+    routing.refuse_staging_change("vllm", True, False)  # no parts-feeding session: allowed
+    routing.forwarded("ws_open", True)
+    routing.refuse_staging_change("vllm", True, True)  # no change: allowed
+    with pytest.raises(WeightSyncError, match="stage_updates") as refused:
+        routing.refuse_staging_change("vllm", False, True)
+    assert "vllm" in str(refused.value)
+    routing.forwarded("ws_teardown", True)
+    routing.refuse_staging_change("vllm", False, True)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 vllm = pytest.importorskip(
@@ -169,6 +170,9 @@ def test_a_tp_rank_that_fails_its_receive_leaves_no_rank_on_the_new_version(engi
     try:
         with WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60) as ws:
             specs = len(ws.setup().specs)
+            # The coordinator chains the ranks' commits by the staging it read at setup.
+            with pytest.raises(ray.exceptions.RayTaskError, match="stage_updates"):
+                get(engine.stage_updates.remote(False))
             get(engine.collective_rpc.remote(vm.fail_receive_once, (1, specs)))
             with pytest.raises(SyncError) as failed:
                 ws.sync(15)

@@ -331,6 +331,7 @@ class _AsyncVLLMWorker:
         they arrive (False), from the next sync on."""
         async with self._lock:
             await self._started()
+            self._routing.refuse_staging_change(self.name, staged, self._stage_updates)
             self._replies(await self._rpc("weightsync_stage", (staged,)), "stage_updates")
             self._stage_updates = staged
 

@@ -272,13 +272,16 @@ class _VLLMWorker:
         """Keep each sync's tensors on every TP rank until the sync commits (True), so a sync
         that fails midway never reaches the model and the engine keeps serving its version;
         costs a second copy of the model's bytes per rank during a sync. False: load as
-        they arrive (the default). Takes effect from the next sync; extension mode only."""
+        they arrive (the default). Takes effect from the next sync; extension mode only;
+        refused while a WeightSync feeds the engine part by part (``rank-ipc``), which read
+        the engine's staging at setup."""
         with self._lock:
             if self.native:
                 raise WeightSyncError(
                     f"{self.name}: stage_updates works through the worker extension, and this engine syncs through "
                     "vLLM's native backend; call use_native(False) first"
                 )
+            self._routing.refuse_staging_change(self.name, staged, self._staged)
             self._replies(self._rpc("weightsync_stage", args=(staged,)), "stage_updates")
             self._staged = staged
 

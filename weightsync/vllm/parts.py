@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync import WorkerState
+from weightsync import WeightSyncError, WorkerState
 from weightsync.core.wire.messages import EndpointInfo, ReceiveResult
 from weightsync.core.wire.outcome import Outcome, Status
 from weightsync.vllm.codec import Reply
@@ -55,6 +55,17 @@ class PartRouting:
         if method == "ws_open":
             return bool(args) and bool(getattr(args[0], "feeds_parts", False))
         return self.fed_by_parts
+
+    def refuse_staging_change(self, name: str, staged: bool, current: bool) -> None:
+        """A coordinator feeding the engine by parts read its staging at setup and chains
+        the parts' commits by it (all parts load or none does); a change meanwhile would go
+        unseen until its next setup, so it is refused until the transport is torn down."""
+        if self.fed_by_parts and staged != current:
+            raise WeightSyncError(
+                f"{name}: stage_updates({staged}) while a WeightSync feeds this engine part by part (rank-ipc); "
+                f"it read stage_updates={current} at setup and commits the TP ranks by it. Change staging before "
+                "building the WeightSync, or after closing it"
+            )
 
     def forwarded(self, method: str, every_rank: bool) -> None:
         """Record a call that went to the ranks (also when it failed: every rank ran it)."""
