@@ -108,3 +108,11 @@ def no_shm_leftovers() -> Iterator[None]:
     yield
     left = set(leftover_segments(scope=current_scope())) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session: None) -> Iterator[ActorPool]:
+    """The actors one test module starts, killed (and checked gone) after its last test."""
+    actors = ActorPool()
+    yield actors
+    actors.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -77,13 +76,6 @@ class _Rank(TrainerHost):
 
 
 Rank: Any = ray.remote(_Rank)
-
-
-@pytest.fixture(scope="module")
-def pool(ray_session: None) -> Iterator[ActorPool]:
-    actors = ActorPool()
-    yield actors
-    actors.close()
 
 
 @pytest.fixture(scope="module")

@@ -72,13 +72,6 @@ def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def pool(ray_session: None) -> Iterator[ActorPool]:
-    actors = ActorPool()
-    yield actors
-    actors.close()
-
-
-@pytest.fixture(scope="module")
 def ranks(pool: ActorPool, checkpoint: str) -> list[Any]:
     factory = functools.partial(vm.fsdp_trainer_model, checkpoint, 3)
     return [

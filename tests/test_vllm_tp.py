@@ -64,13 +64,6 @@ def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def pool(ray_session: None) -> Iterator[ActorPool]:
-    actors = ActorPool()
-    yield actors
-    actors.close()
-
-
-@pytest.fixture(scope="module")
 def trainer(pool: ActorPool, checkpoint: str) -> Any:
     factory = functools.partial(vm.trainer_model, checkpoint)
     return pool.add(TrainerActor.options(num_cpus=0).remote(factory, wire_dtype=torch.bfloat16))
