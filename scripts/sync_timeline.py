@@ -1,8 +1,9 @@
 """When each step of a colocated sync happens, as seen from the driver (median of many).
 
 Subclasses the trainer and worker actors to stamp the start and end of their sync calls
-(and, for ``direct``, the worker's announcement and the trainer's wait for its copies)
-with the wall clock, which every process
+(and, for ``direct``, the worker's announcement and the trainer's wait for its copies;
+for ``ipc``, when each side queued its first and last chunk; for ``push``, the trainer's one
+call and the worker's listener serving it) with the wall clock, which every process
 on one machine shares; prints each mark in ms after ``WeightSync.sync`` was entered::
 
     .venv/bin/python scripts/sync_timeline.py --size 16gb --device cuda --transport direct
@@ -21,8 +22,9 @@ from typing import Any
 import ray
 
 from weightsync import WeightSync
+from weightsync.core import listener
 from weightsync.core.sender import WeightSender
-from weightsync.core.transport import batched_copy, direct, streams
+from weightsync.core.transport import batched_copy, direct, slot_copies, streams
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.tools.cluster import connect
 from weightsync.tools.models import PolicyFactory
@@ -48,9 +50,11 @@ class StampedTrainer(TrainerHost):
         self.drains: list[tuple[float, float]] = []
         self.walks: list[tuple[float, float]] = []
         self.launches: list[tuple[float, float]] = []
+        self.packs: list[tuple[float, float]] = []
         _stamped(streams.SlotStreams, "drain", self.drains)
         _stamped(WeightSender, "checked_sources", self.walks)
         _stamped(batched_copy.BatchedCopier, "run", self.launches)
+        _stamped(slot_copies.PackPlans, "pack", self.packs)
 
     def ws_send(self, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
@@ -59,32 +63,42 @@ class StampedTrainer(TrainerHost):
         self.__dict__.setdefault("stamps", []).append((start, time.time()))
         return out
 
-    def stamps(self) -> dict[str, list[tuple[float, float]]]:
-        return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches")}
-
-
-class StampedWorker(WorkerHost):
-    def _timed(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+    def ws_push(self, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
-        if "announced" not in self.__dict__:
-            self.announced: list[tuple[float, float]] = []
-            _stamped(direct.DirectTarget, "stale", self.announced)  # checked right before announcing
-        out = call(*args, **kwargs)
+        self._stamp_drain()
+        out = super().ws_push(*args, **kwargs)
         self.__dict__.setdefault("stamps", []).append((start, time.time()))
         return out
 
-    def ws_receive(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().ws_receive, *args, **kwargs)
+    def stamps(self) -> dict[str, list[tuple[float, float]]]:
+        return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches", "packs")}
 
-    def stamps(self) -> tuple[list[tuple[float, float]], list[float]]:
-        return self.__dict__.get("stamps", []), [start for start, _ in self.__dict__.get("announced", [])]
+
+class StampedWorker(WorkerHost):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.receives: list[tuple[float, float]] = []
+        self.announced: list[tuple[float, float]] = []
+        self.unpacks: list[tuple[float, float]] = []
+        _stamped(direct.DirectTarget, "stale", self.announced)  # checked right before announcing
+        _stamped(slot_copies.UnpackPlans, "unpack", self.unpacks)
+        _stamped(listener.Listener, "_serve", self.receives)  # push mode: the listener's sync
+
+    def ws_receive(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        out = super().ws_receive(*args, **kwargs)
+        self.receives.append((start, time.time()))
+        return out
+
+    def stamps(self) -> tuple[list[tuple[float, float]], list[float], list[tuple[float, float]]]:
+        return self.receives, [start for start, _ in self.announced], self.unpacks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1mb")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--transport", choices=["direct", "ipc"], default="direct")
+    parser.add_argument("--transport", choices=["direct", "ipc", "push"], default="direct")
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--syncs", type=int, default=30)
     args = parser.parse_args()
@@ -100,7 +114,10 @@ def main() -> None:
         .options(num_cpus=0, num_gpus=gpus)
         .remote(PolicyFactory(args.size, 1, args.device), device=args.device)
     )
-    ws = WeightSync(trainer, [worker], transport=args.transport, buffer_bytes=args.buffer_mib << 20)
+    push = args.transport == "push"
+    ws = WeightSync(
+        trainer, [worker], transport="direct" if push else args.transport, push=push, buffer_bytes=args.buffer_mib << 20
+    )
     ws.setup()
     entered, returned = [], []
     for version in range(1, args.syncs + 1):
@@ -110,25 +127,31 @@ def main() -> None:
     trainer_stamps = ray.get(trainer.stamps.remote(), timeout=60)
     sends, drains = trainer_stamps["stamps"], trainer_stamps["drains"]
     walks, launches = trainer_stamps["walks"], trainer_stamps["launches"]
-    receives, announced = ray.get(worker.stamps.remote(), timeout=60)
+    packs = trainer_stamps["packs"]
+    receives, announced, unpacks = ray.get(worker.stamps.remote(), timeout=60)
     ws.close()
     skip = 3  # warm-up
     marks: dict[str, list[float]] = {}
     for i in range(skip, args.syncs):
         t0 = entered[i]
         marks.setdefault("trainer call starts", []).append(sends[i][0] - t0)
-        marks.setdefault("worker call starts", []).append(receives[i][0] - t0)
+        marks.setdefault("worker listener wakes" if push else "worker call starts", []).append(receives[i][0] - t0)
         if announced:
             marks.setdefault("worker announces", []).append(announced[i] - t0)
         if len(walks) == len(sends):
             marks.setdefault("sources checked", []).append(walks[i][1] - t0)
         if len(launches) == len(sends):
             marks.setdefault("copy launch begins", []).append(launches[i][0] - t0)
+        for name, calls, (lo, hi) in (("trainer", packs, sends[i]), ("worker", unpacks, receives[i])):
+            inside = [(a, b) for a, b in calls if lo <= a <= hi]
+            if inside:
+                marks.setdefault(f"{name} queues chunk 0", []).append(inside[0][0] - t0)
+                marks.setdefault(f"{name} queued last chunk", []).append(inside[-1][1] - t0)
         if len(drains) == len(sends):
             marks.setdefault("copies queued", []).append(drains[i][0] - t0)
             marks.setdefault("copies done", []).append(drains[i][1] - t0)
         marks.setdefault("trainer call ends", []).append(sends[i][1] - t0)
-        marks.setdefault("worker call ends", []).append(receives[i][1] - t0)
+        marks.setdefault("worker answered" if push else "worker call ends", []).append(receives[i][1] - t0)
         marks.setdefault("sync returns", []).append(returned[i] - t0)
     print(f"{args.transport} {args.size} on {args.device}, median of {args.syncs - skip} syncs:")
     for name, values in marks.items():
