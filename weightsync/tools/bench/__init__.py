@@ -7,6 +7,9 @@ Everything is measured in one run, on one cluster, with the same actors:
   (gloo on CPU; NCCL needs a second GPU);
 * the raw limit: one copy of a single buffer of the model's size (``memcpy`` on CPU, a
   device copy on GPU), and for broadcast one gloo broadcast of such a buffer;
+* Ray's floor: one no-op call per side, started together and waited for once (a colocated
+  sync's shape); and, for a copy of 1 ms or more, the same with calls as long as the copy,
+  its length taken off (what Ray adds to a call that lasts as long as a sync);
 * naive per-tensor transfer: one broadcast per tensor (CPU), one CUDA IPC handle per
   tensor (GPU);
 * the reference file's design: one IPC slot, strictly serialized, two Ray round trips per

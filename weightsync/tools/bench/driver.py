@@ -171,7 +171,7 @@ class Bench:
             self.timed(case, one, parties, base)
             ws.close()
 
-        self.ray_floor_case(size, trainer, workers[0], nbytes)
+        self.ray_floor_case(size, trainer, workers[0], nbytes, copy_s)
         first = args.buffer_mib[0]
         colocated = ["ipc", "direct"] if ("ipc" in args.transports or "direct" in args.transports) else []
         for transport in colocated:
@@ -258,9 +258,12 @@ class Bench:
         )
         ws.close()
 
-    def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int) -> None:
+    def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
         """The hand-off floor: a colocated sync's shape (one call per side, started
-        together, waited for once), doing nothing."""
+        together, waited for once), doing nothing; then the same with calls as long as one
+        raw copy, from 1 ms up (Ray may start and return a call that lasts a while later
+        than a no-op: the driver has slept in the meantime). A sync's time minus the
+        second row is what weightsync adds to the copy and to Ray."""
 
         def one() -> None:
             self.get([worker.call.remote(probes.nothing), trainer.call.remote(probes.nothing)])
@@ -268,6 +271,19 @@ class Bench:
         self.timed(
             Case(size, "ray floor: one no-op call per side", nbytes, note="what any sync pays for Ray"),
             one,
+            [trainer, worker],
+        )
+        if copy_s < 1e-3:
+            return
+
+        def long() -> float:
+            start = time.perf_counter()
+            self.get([worker.call.remote(probes.polling, copy_s), trainer.call.remote(probes.polling, copy_s)])
+            return time.perf_counter() - start - copy_s
+
+        self.timed(
+            Case(size, "ray floor: calls as long as a copy", nbytes, note="Ray's share, the copy's length taken off"),
+            long,
             [trainer, worker],
         )
 
