@@ -261,9 +261,9 @@ class Bench:
     def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
         """The hand-off floor: a colocated sync's shape (one call per side, started
         together, waited for once), doing nothing; then the same with calls as long as one
-        raw copy, from 1 ms up (Ray may start and return a call that lasts a while later
-        than a no-op: the driver has slept in the meantime). A sync's time minus the
-        second row is what weightsync adds to the copy and to Ray."""
+        raw copy, from 1 ms up: Ray was measured to return a call that lasted a while
+        later than a no-op (docs/benchmarks.md), so a sync's time minus the copy and this
+        second row is what weightsync itself adds."""
 
         def one() -> None:
             self.get([worker.call.remote(probes.nothing), trainer.call.remote(probes.nothing)])
