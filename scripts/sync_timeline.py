@@ -56,19 +56,18 @@ class StampedTrainer(TrainerHost):
         _stamped(batched_copy.BatchedCopier, "run", self.launches)
         _stamped(slot_copies.PackPlans, "pack", self.packs)
 
-    def ws_send(self, *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
         self._stamp_drain()
-        out = super().ws_send(*args, **kwargs)
+        out = call(*args, **kwargs)
         self.__dict__.setdefault("stamps", []).append((start, time.time()))
         return out
 
+    def ws_send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().ws_send, *args, **kwargs)
+
     def ws_push(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
-        self._stamp_drain()
-        out = super().ws_push(*args, **kwargs)
-        self.__dict__.setdefault("stamps", []).append((start, time.time()))
-        return out
+        return self._timed(super().ws_push, *args, **kwargs)
 
     def stamps(self) -> dict[str, list[tuple[float, float]]]:
         return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches", "packs")}
