@@ -126,7 +126,12 @@ def gloo_join_root(model: torch.nn.Module, host: str, world: int) -> None:
 
 
 def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> None:
-    """Root and receivers alike: one buffer of ``nbytes``, or every tensor in turn."""
+    """Root and receivers alike: one buffer of ``nbytes``, or every tensor in turn.
+
+    The buffer's pages are written once before it is sent: the kernel sends a buffer never
+    written from its one shared zero page, faster than any real bytes (a 941 MB broadcast
+    to 2 receivers on the 2-core machine: 391 ms against 475 ms), which made a limit no
+    sync of real weights could reach."""
     from weightsync.core.sinks import module_tensors
 
     comm = _RAW["comm"]
@@ -137,7 +142,7 @@ def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> Non
     else:
         buf = _RAW.get("buf")
         if buf is None or buf.numel() != nbytes:
-            buf = _RAW["buf"] = torch.empty(nbytes, dtype=torch.uint8)
+            buf = _RAW["buf"] = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
         comm.broadcast(buf, 0).wait(deadline)
 
 
