@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import math
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +164,32 @@ def test_tensor_checksums_see_one_flipped_bit_in_any_dtype() -> None:
 
 
 # --- layering --------------------------------------------------------------------------
+
+
+def test_importing_weightsync_loads_no_dtensor_yet_a_dtensor_is_told_once_one_exists() -> None:
+    """Every actor imports weightsync at its start; DTensor's package costs more than the rest
+    of it together, so it is loaded only by whoever makes DTensors."""
+    code = """
+import sys
+import torch
+import torch.distributed as dist
+import weightsync, weightsync.glue.actors, weightsync.core.sharded, weightsync.core.transport.owner_writes
+from weightsync.core.dtensors import is_dtensor
+loaded = [m for m in sys.modules if m.startswith("torch.distributed.tensor")]
+plain = torch.randn(4, 2)
+before = is_dtensor(plain)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+sharded = distribute_tensor(plain, init_device_mesh("cpu", (1,)), [Shard(0)])
+print(loaded, before, is_dtensor(sharded), is_dtensor(plain), is_dtensor(sharded.to_local()))
+dist.destroy_process_group()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "False", "True", "False", "False"], done.stdout
 
 
 def _imports(path: Path) -> set[str]:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from weightsync.core.dtensors import is_dtensor
 from weightsync.core.wire.errors import TransferError, TransferTimeout, WeightSyncError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def plan_buckets(nbytes: Sequence[int], budget: int) -> list[range]:
@@ -39,6 +42,8 @@ def plan_buckets(nbytes: Sequence[int], budget: int) -> list[range]:
 def row_or_replicated(t: DTensor) -> bool:
     """``Shard(0)`` or ``Replicate`` over a 1-D mesh: gathered with async collectives here,
     and sendable by its owners (:mod:`weightsync.core.owned_plan`)."""
+    from torch.distributed.tensor import Replicate, Shard  # loaded already: ``t`` is a DTensor
+
     return t.device_mesh.ndim == 1 and tuple(t.placements) in ((Shard(0),), (Replicate(),))
 
 
@@ -183,11 +188,11 @@ def gather_bucket(tensors: Sequence[torch.Tensor], indices: range, wait: Wait) -
     with torch.no_grad():
         for i in indices:
             t = tensors[i]
-            if not isinstance(t, DTensor):
+            if not is_dtensor(t):
                 out[i] = t.detach()
             elif not row_or_replicated(t):
                 out[i] = t.full_tensor()
-            elif t.placements[0] == Replicate():
+            elif t.placements[0].is_replicate():
                 out[i] = t.to_local().detach()
             else:
                 n = t.shape[0]

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
+from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import plan_buckets, row_or_replicated
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
@@ -136,7 +136,7 @@ def layout_of(party: str, named: Sequence[tuple[str, torch.Tensor]], ranks: int,
     ``Replicate`` and plain tensors are whole; any other layout is refused naming the tensor."""
     rows: list[bool] = []
     for name, t in named:
-        if not isinstance(t, DTensor):
+        if not is_dtensor(t):
             rows.append(False)
             continue
         if not row_or_replicated(t):
@@ -145,7 +145,7 @@ def layout_of(party: str, named: Sequence[tuple[str, torch.Tensor]], ranks: int,
                 "owner sends take Shard(0) over a 1-D mesh, Replicate or plain tensors: use "
                 "transport='broadcast' for this trainer (it gathers)"
             )
-        split = t.placements[0] == Shard(0) and t.ndim > 0
+        split = not t.placements[0].is_replicate() and t.ndim > 0
         if split:
             start, stop = row_span(t.shape[0], ranks, rank)
             local = t.to_local()

@@ -46,12 +46,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import GatheredTensors, Wait, plan_buckets
 from weightsync.core.owned_plan import OwnedLayout, layout_of
 from weightsync.core.packing import read_checksums, word_sum
@@ -67,10 +67,13 @@ from weightsync.core.wire.messages import SendResult, SourceLayout, SyncCall
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 
 def has_dtensors(module: torch.nn.Module) -> bool:
     """True when ``module`` holds DTensors: its sender is a :class:`ShardedSender`."""
-    return any(isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers()))
+    return any(is_dtensor(t) for t in (*module.parameters(), *module.buffers()))
 
 
 @dataclass
@@ -93,7 +96,7 @@ class ShardedSender(WeightSender):
         self._buckets: list[range] = []
 
     def _dtensors(self) -> list[DTensor]:
-        return [t for _, t in self.named_tensors() if isinstance(t, DTensor)]
+        return [t for _, t in self.named_tensors() if is_dtensor(t)]
 
     def bind(self, name: str, ranks: Sequence[str]) -> None:
         """Take this rank's party name; refuse a list of ranks not in the mesh's rank order."""

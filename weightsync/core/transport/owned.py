@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from weightsync.core.dtensors import is_dtensor
 from weightsync.core.owned_plan import Bucket, OwnedLayout, Piece, Segment, plan, row_span
 from weightsync.core.packing import as_bytes, byte_checksum, contiguous_checksum
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
@@ -52,7 +52,7 @@ def _rebrand(exc: WeightSyncError, blames: Sequence[str], where: str) -> WeightS
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class OwnedSender(SendHalf):
