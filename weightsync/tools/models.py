@@ -70,7 +70,10 @@ class TinyPolicy(nn.Module):
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        # Built without its own random init (build_policy writes every weight): on the meta
+        # device, nn.Embedding's normal_ init goes through torch._refs and imports torch._dynamo,
+        # 0.8 s of every actor's start.
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim, _weight=torch.empty(cfg.vocab, cfg.dim))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
