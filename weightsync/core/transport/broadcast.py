@@ -56,8 +56,8 @@ log = logging.getLogger("weightsync")
 #: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger).
 #: Measured on the 2-core CPU machine, variants interleaved in one run (docs/benchmarks.md,
 #: "CPU broadcast knobs"): under load, the 1 GB policy (all but 70 KB of it in place) to 2
-#: receivers synced 1.27x faster with 4 in flight than with 2, and 8 was no better; on a
-#: quiet machine 2, 4 and 8 are within 3% of each other at 100 MB and 1 GB.
+#: receivers synced 1.03-1.27x faster with 4 in flight than with 2 (three runs), and 8 was
+#: no better; on a quiet machine 2, 4 and 8 are within 4% of each other at 100 MB and 1 GB.
 INPLACE_DEPTH = 4
 
 

@@ -130,7 +130,7 @@ def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> Non
 
     The buffer's pages are written once before it is sent: the kernel sends a buffer never
     written from its one shared zero page, faster than any real bytes (a 941 MB broadcast
-    to 2 receivers on the 2-core machine: 391 ms against 475 ms), which made a limit no
+    to 2 receivers on the 2-core machine: 405 ms against 493 ms), which made a limit no
     sync of real weights could reach."""
     from weightsync.core.sinks import module_tensors
 
