@@ -73,9 +73,11 @@ def rank_main(rank: int, world: int, port: int, args: Any, out: Any) -> None:
     tensors = [t.detach() for _, t in module_tensors(model)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    # Each plain baseline's broadcasts and how many are kept in flight, made once.
+    plain = {v: baseline(v, flat, tensors) for v in args.variants if v.split(":")[0] in BASELINES}
     endpoints: dict[str, Any] = {}
     for number, variant in enumerate(args.variants):
-        if is_baseline(variant):
+        if variant in plain:
             continue
         settings = settings_of(variant)
         # The plan depends on shapes and dtypes only: every rank's own policy gives the trainer's.
@@ -102,12 +104,8 @@ def rank_main(rank: int, world: int, port: int, args: Any, out: Any) -> None:
             barrier.agree(False, time.monotonic() + TIMEOUT_S)
             t0, c0 = time.perf_counter(), time.process_time()
             deadline = time.monotonic() + TIMEOUT_S
-            if variant == "raw":
-                raw.broadcast(flat, 0).wait(deadline)
-            elif is_baseline(variant):
-                kind, *rest = variant.split(":")
-                parts = list(flat.tensor_split(int(rest.pop(0)))) if kind == "pieces" else tensors
-                in_flight(raw, parts, int(rest[0]) if rest else 1, deadline)
+            if variant in plain:
+                in_flight(raw, *plain[variant], deadline)
             else:
                 call = SyncCall(seq=seq, version=seq)
                 endpoint = endpoints[variant]
@@ -126,9 +124,19 @@ def rank_main(rank: int, world: int, port: int, args: Any, out: Any) -> None:
     )
 
 
-def is_baseline(variant: str) -> bool:
-    """Whether ``variant`` is a plain gloo baseline (no weightsync sender or receiver)."""
-    return variant.split(":")[0] in ("raw", "pieces", "per-tensor")
+#: The plain gloo baselines (no weightsync sender or receiver): how few and how many
+#: numbers each takes after its name.
+BASELINES = {"raw": (0, 0), "pieces": (1, 2), "per-tensor": (0, 1)}
+
+
+def baseline(variant: str, flat: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """A baseline's broadcasts, in order, and how many of them are in flight at once."""
+    kind, *numbers = variant.split(":")
+    counts = [int(n) for n in numbers]
+    if kind == "raw":
+        return [flat], 1
+    parts = list(flat.tensor_split(counts.pop(0))) if kind == "pieces" else tensors
+    return parts, counts[0] if counts else 1
 
 
 def in_flight(comm: Any, parts: list[torch.Tensor], depth: int, deadline: float) -> None:
@@ -157,9 +165,9 @@ def main() -> None:
     args.variants = args.variants.split(",")
     for variant in args.variants:
         kind, *numbers = variant.split(":")
-        if kind in ("raw", "per-tensor", "pieces"):
-            wanted = {"raw": (0, 0), "per-tensor": (0, 1), "pieces": (1, 2)}[kind]
-            if not wanted[0] <= len(numbers) <= wanted[1] or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+        if kind in BASELINES:
+            fewest, most = BASELINES[kind]
+            if not fewest <= len(numbers) <= most or not all(n.isdigit() and int(n) >= 1 for n in numbers):
                 parser.error(f"variant {variant}: expected raw, pieces:N[:D] or per-tensor[:D], counts of at least 1")
         else:
             settings_of(variant)  # refuses a malformed variant before anything starts

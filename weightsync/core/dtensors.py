@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, TypeGuard
 
+import torch
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -25,3 +27,8 @@ def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     package = sys.modules.get(_PACKAGE)
     cls = getattr(package, "DTensor", None) if package is not None else None
     return cls is not None and isinstance(tensor, cls)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor

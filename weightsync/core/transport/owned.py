@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from weightsync.core.dtensors import is_dtensor
+from weightsync.core.dtensors import local_part
 from weightsync.core.owned_plan import Bucket, OwnedLayout, Piece, Segment, plan, row_span
 from weightsync.core.packing import as_bytes, byte_checksum, contiguous_checksum
 from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
@@ -49,10 +49,6 @@ def _rebrand(exc: WeightSyncError, blames: Sequence[str], where: str) -> WeightS
         if isinstance(exc, kind):
             cls = kind
     return cls(f"{where}: {exc}", blames=blames)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class OwnedSender(SendHalf):
@@ -141,7 +137,7 @@ class OwnedSender(SendHalf):
     def _rows(self, piece: Piece, local: Sequence[torch.Tensor]) -> torch.Tensor:
         """The rows ``piece`` names, from this rank's own tensor (its shard, or the whole)."""
         spec = self.manifest.specs[piece.index]
-        held = _local(local[piece.index]).detach()
+        held = local_part(local[piece.index]).detach()
         if self.layout.rows[piece.index] and spec.shape:
             first, _ = row_span(spec.shape[0], self.layout.ranks, self.rank)
             held = held[piece.start - first : piece.stop - first]

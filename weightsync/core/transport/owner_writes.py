@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from weightsync.core.dtensors import is_dtensor
+from weightsync.core.dtensors import local_part
 from weightsync.core.owned_plan import OwnedLayout, row_span
 from weightsync.core.transport.base import Sources
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
@@ -92,6 +92,6 @@ class OwnerWriter(DirectWriter):
     def _sources(self, sources: Sources) -> tuple[Sequence[torch.Tensor], PlanKey]:
         # A rank's shard is exactly its rows (owned_plan.layout_of checked the split); a
         # Replicate or plain tensor is whole.
-        held = [(t.to_local() if is_dtensor(t) else t).detach() for t in sources.local]
+        held = [local_part(t).detach() for t in sources.local]
         # The key only matters to the batched copier (CUDA); elsewhere it is never read.
         return held, plan_key(held) if self._copier is not None else []
