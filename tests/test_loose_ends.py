@@ -27,14 +27,17 @@ from weightsync.core.wire.messages import PushResult
 from weightsync.glue.ranks import TrainerRanks
 
 
-def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_error() -> None:
-    """A reader holds the worker's gate, so the push waits; a teardown on another thread
-    (as a coordinator's, on a threaded trainer) ends it: the worker is answered with a
-    typed error naming it and the teardown, and the mailboxes go only after the push."""
+@pytest.mark.parametrize("abort", [True, False], ids=["abort", "clean-close"])
+def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_error(abort: bool) -> None:
+    """A reader holds the worker's gate, so the push waits for its announcement; a teardown
+    on another thread (as a coordinator's, on a threaded trainer; a failed sync's abort or a
+    plain close()) ends it then, not at its deadline: the send fails as torn down, the
+    worker is answered with a typed error naming it and the teardown, and the mailboxes go
+    only after the push. A push that waited for its deadline would fail as timed out."""
     sender = WeightSender(model=MixedModel(seed=0))
-    manifest = sender.manifest(SyncSettings(timeout_s=20.0))
+    manifest = sender.manifest(SyncSettings(timeout_s=60.0))
     receiver = WeightReceiver(MixedModel(seed=1), name="worker-0")
-    receiver.accept(manifest, timeout_s=20.0)
+    receiver.accept(manifest, timeout_s=60.0)
     open_local(registry.get("direct"), sender, {"worker-0": receiver})
     pusher = Pusher(sender.session, "direct")
     pusher.attach([receiver.listen()])
@@ -56,11 +59,13 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
             while pusher.seq == 0:  # the push posted its call: it is in flight
                 assert time.monotonic() < deadline, "the push never started"
                 time.sleep(0.005)
-            sender.close_transports(abort=True, by="WeightSync test (close())")
+            sender.close_transports(abort=abort, by="WeightSync test (close())")
             thread.join(30)
             assert not thread.is_alive()
         (result,) = results
         assert isinstance(result, PushResult), result
+        assert result.sent.error == "SessionTornDown", result.sent
+        assert "WeightSync test (close())" in result.sent.message and "worker-0" in result.sent.message
         answer = result.workers["worker-0"].outcome
         assert answer.error == "SessionTornDown" and "worker-0" in answer.message and "torn down" in answer.message
         with pytest.raises(SettingsError, match=r"torn down by WeightSync test \(close\(\)\)"):

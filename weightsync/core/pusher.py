@@ -165,6 +165,16 @@ class Pusher:
             if box is not None:
                 box.importer.release_all()
 
+    def stop(self) -> bool:
+        """Refuse every later push; True when one is in flight on another thread (it ends
+        once the halves it drives are torn down, :meth:`WeightSender.close_transports`)."""
+        self.closing = True
+        # A push checks ``closing`` under the lock: a free lock means none runs or will.
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
+
     def close(self) -> None:
         """Release the mailboxes; a push in flight on another thread stops waiting for answers
         and ends first (its workers answered as torn down), never reading released memory."""

@@ -324,17 +324,24 @@ class WeightSender:
     def close_transports(self, abort: bool = False, by: str = "") -> None:
         """Close every half and extra; ``by`` (a coordinator's label and why) is recorded.
 
-        With ``abort`` the peers are told first; the extras (a pusher) close before the
-        halves, so a push still in flight ends before the memory it reads is released."""
+        With ``abort`` the peers are told first, through each half's ``tear_down``; so are
+        those of the halves a push still in flight on another thread drives, whatever
+        ``abort`` says, so that push ends now rather than at its deadline. The extras (a
+        pusher) close before the halves, so that push ends before the memory it reads is
+        released."""
         if by:
             self.closed_by = by
+        extras, self.extras = self.extras, {}
+        # An extra that drives syncs of its own (a pusher, whose ``kind`` is the transport it
+        # drives) says, as it stops, whether one is in flight.
+        pushing = {extra.kind for extra in extras.values() if callable(getattr(extra, "stop", None)) and extra.stop()}
         told: BaseException | None = None
-        if abort:
+        torn = [h for kind, h in self.halves.items() if abort or kind in pushing]
+        if torn:
             try:
-                abort_each(list(self.halves.values()), None)
+                abort_each(torn, None, torn_down_by=by or f"{self.name}'s teardown")
             except BaseException as exc:  # noqa: BLE001 - raised below, once everything is closed
                 told = exc
-        extras, self.extras = self.extras, {}
         for extra in extras.values():
             close = getattr(extra, "close", None)
             if callable(close):

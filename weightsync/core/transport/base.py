@@ -141,6 +141,14 @@ class SendHalf(abc.ABC):
     def abort(self) -> None:
         """Tell every peer at once that this side failed (safe to call at any time)."""
 
+    def tear_down(self, by: str) -> None:
+        """The session ends, ``by`` whom, while a sync may still run on another thread (a
+        teardown during an in-trainer push): that sync's waits end now, and a sync starting
+        after this fails at once instead of waiting for peers. Called before :meth:`close`,
+        which waits for that sync to end. By default :meth:`abort`, for halves whose abort
+        already reaches a sync whatever point it is at."""
+        self.abort()
+
     @abc.abstractmethod
     def close(self, abort: bool = False) -> None:
         """Release what the session holds (with ``abort``: after telling the peers)."""
@@ -181,6 +189,10 @@ class ReceiveHalf(abc.ABC):
     def abort(self) -> None:
         """Tell every peer at once that this side failed (safe to call at any time)."""
 
+    def tear_down(self, by: str) -> None:
+        """The session ends, ``by`` whom (see :meth:`SendHalf.tear_down`); by default :meth:`abort`."""
+        self.abort()
+
     @abc.abstractmethod
     def close(self, abort: bool = False) -> None:
         """Release what the session holds."""
@@ -191,20 +203,26 @@ class _Aborts(Protocol):
 
     def abort(self) -> None: ...
 
+    def tear_down(self, by: str) -> None: ...
 
-def abort_each(halves: Iterable[_Aborts], failure: BaseException | None) -> None:
+
+def abort_each(halves: Iterable[_Aborts], failure: BaseException | None, torn_down_by: str = "") -> None:
     """Tell every half's peers that this side failed, each in turn, as the failure policy
     wants: a half whose abort itself fails keeps neither the other halves from aborting nor
     ``failure`` (the cause, when this side is failing already) from being the error raised;
     the abort's own error is logged and noted on ``failure``, or raised when there is none.
     An interrupt (a ``BaseException`` that is not an ``Exception``, such as
     ``KeyboardInterrupt``) raised by one half's abort is raised once every other half has
-    aborted, in place of ``failure``: it was meant to stop this process."""
+    aborted, in place of ``failure``: it was meant to stop this process. With
+    ``torn_down_by`` (the session ends) each half is told through ``tear_down``."""
     first: Exception | None = None
     interrupt: BaseException | None = None
     for half in halves:
         try:
-            half.abort()
+            if torn_down_by:
+                half.tear_down(torn_down_by)
+            else:
+                half.abort()
         except Exception as exc:
             log.error("weightsync: telling the %s transport's peers of a failure failed", half.kind, exc_info=exc)
             note = getattr(failure, "add_note", None)  # Python 3.11+

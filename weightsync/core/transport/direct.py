@@ -44,7 +44,7 @@ from weightsync.core.transport.control import ControlBlock, worker_code
 from weightsync.core.transport.regions import Region, RegionImporter, make_region
 from weightsync.core.transport.shm import pid_alive
 from weightsync.core.transport.streams import SlotStreams, wait_for_event
-from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, WeightSyncError
+from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, SessionTornDown, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import DirectExport, SyncCall
 from weightsync.core.wire.session import Session
@@ -293,6 +293,8 @@ class DirectWriter(SendHalf):
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
         self._copier = BatchedCopier.create(device)
+        #: Who tore the session down (see :meth:`tear_down`); "" while it is open.
+        self._torn_down = ""
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -362,6 +364,16 @@ class DirectWriter(SendHalf):
     def start(self, call: SyncCall) -> None:
         for mapped in self._mapped.values():
             mapped.control.epoch = call.seq + 1
+        if self._torn_down:
+            # Torn down before this sync's epoch was set: that abort was an earlier epoch's,
+            # which this sync's workers ignore. Written again, it is theirs.
+            self.abort()
+
+    def tear_down(self, by: str) -> None:
+        # The flag before the abort words: a sync whose start() has not seen the flag set its
+        # epoch first, so these words carry that epoch and end its waits (and its workers').
+        self._torn_down = by
+        self.abort()
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """One pass over streamed sources, whatever the number of workers (see :meth:`_send_streamed`)."""
@@ -407,15 +419,23 @@ class DirectWriter(SendHalf):
         if mapped is None:
             raise WeightSyncError(f"{self.name}: no direct export mapped for {worker}; run setup()")
         control = mapped.control
-        control.wait(
-            lambda: abs(control[_ANNOUNCED]) == seq + 1,
-            deadline,
-            self.name,
-            lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
-            [*self.writers, worker],
-            peer_pid=lambda: control[_TARGET_PID],
-            late=lambda: [worker],
-        )
+        try:
+            control.wait(
+                lambda: abs(control[_ANNOUNCED]) == seq + 1,
+                deadline,
+                self.name,
+                lambda: f"{worker} to announce sync {seq} (is it busy in another call?)",
+                [*self.writers, worker],
+                peer_pid=lambda: control[_TARGET_PID],
+                late=lambda: [worker],
+            )
+        except PeerAborted as exc:
+            if self._torn_down:
+                raise SessionTornDown(
+                    f"{self.name}: the session was torn down ({self._torn_down}) while sync {seq} waited for "
+                    f"{worker} to announce it; nothing was written into {worker}. Run WeightSync.setup() again"
+                ) from exc
+            raise
         code = control.aborted_by
         if code:
             # The worker (or another writer) gave up on this sync already: its tensors may be
