@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from tests.catalogue import kill_and_wait
 from tests.helpers import MixedModel
@@ -71,6 +72,65 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
         with pytest.raises(SettingsError, match=r"torn down by WeightSync test \(close\(\)\)"):
             pusher_of(sender)
     finally:
+        receiver.close_transports(abort=True)
+        pusher.close()
+        sender.close_transports(abort=True)
+
+
+def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_sync_at_once() -> None:
+    """The trainer stalls before writing (a hook holds it); the worker's listener announced
+    and waits for the bytes. The worker's own teardown ends that wait then, not at its
+    deadline: its answer is a failure of its own, the trainer is told the worker abandoned
+    the sync, and nothing is written into the worker."""
+    sender = WeightSender(model=MixedModel(seed=0))
+    manifest = sender.manifest(SyncSettings(timeout_s=60.0))
+    worker_model = MixedModel(seed=1)
+    before = {n: t.clone() for n, t in worker_model.state_dict().items()}
+    receiver = WeightReceiver(worker_model, name="worker-0")
+    receiver.accept(manifest, timeout_s=60.0)
+    open_local(registry.get("direct"), sender, {"worker-0": receiver})
+    pusher = Pusher(sender.session, "direct")
+    pusher.attach([receiver.listen()])
+    receiver.seal_listen()
+    listener = receiver.listener
+    assert listener is not None
+    held = threading.Event()
+    release = threading.Event()
+
+    def stall(worker: str) -> None:
+        held.set()
+        release.wait(60)
+
+    sender.halves["direct"].on_write = stall  # type: ignore[attr-defined]
+    results: list[Any] = []
+
+    def push() -> None:
+        try:
+            results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})))
+        except Exception as exc:  # the test looks at it
+            results.append(exc)
+
+    thread = threading.Thread(target=push, daemon=True)
+    try:
+        thread.start()
+        assert held.wait(30), "the push never reached its write"
+        deadline = time.monotonic() + 30
+        while not listener.busy:  # the listener took the call: it is inside the sync
+            assert time.monotonic() < deadline, "the listener never took the push"
+            time.sleep(0.005)
+        receiver.close_transports(abort=True)
+        release.set()
+        thread.join(30)
+        assert not thread.is_alive()
+        (result,) = results
+        assert isinstance(result, PushResult), result
+        answer = result.workers["worker-0"].outcome
+        assert answer.error == "SessionTornDown" and "worker-0's teardown" in answer.message, answer
+        assert result.sent.error == "PeerAborted" and "worker-0" in result.sent.message, result.sent
+        for name, tensor in worker_model.state_dict().items():
+            assert torch.equal(tensor, before[name]), f"{name} was written after the worker's teardown"
+    finally:
+        release.set()
         receiver.close_transports(abort=True)
         pusher.close()
         sender.close_transports(abort=True)

@@ -346,7 +346,8 @@ class WeightReceiver:
             return True
         listener.stop()
         if listener.busy and self.active_half is not None:
-            self.active_half.abort()  # a sync in flight stops at once instead of at its deadline
+            # A sync in flight stops at once instead of at its deadline.
+            self.active_half.tear_down(f"{self.name}'s teardown")
         timeout_s = self._session.timeout_s if self._session is not None else DEFAULT_TIMEOUT_S
         return listener.close(Deadlines(timeout_s).coordinator_s)
 

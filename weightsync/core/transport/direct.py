@@ -107,6 +107,8 @@ class DirectTarget(ReceiveHalf):
         self._export: DirectExport | None = None
         self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
         self.exports_made = 0
+        #: Who tore the session down (see :meth:`tear_down`); "" while it is open.
+        self._torn_down = ""
 
     def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
         """Move ``tensors`` (aligned with the manifest) into a fresh exported region.
@@ -194,15 +196,24 @@ class DirectTarget(ReceiveHalf):
             missing = pending()
             return control[_writer_pid(missing[next(turns) % len(missing)])] if missing else 0
 
-        control.wait(
-            lambda: not pending(),
-            self.deadlines.follower(time.monotonic()),
-            self.name,
-            lambda: f"{', '.join(late()) or self.server} to finish writing",
-            self._names,
-            peer_pid=watched,
-            late=late,
-        )
+        try:
+            control.wait(
+                lambda: not pending(),
+                self.deadlines.follower(time.monotonic()),
+                self.name,
+                lambda: f"{', '.join(late()) or self.server} to finish writing",
+                self._names,
+                peer_pid=watched,
+                late=late,
+            )
+        except PeerAborted as exc:
+            if self._torn_down:
+                raise SessionTornDown(
+                    f"{self.name}: the session was torn down ({self._torn_down}) while sync {call.seq} waited for "
+                    f"{', '.join(late()) or self.server} to finish writing; this worker's weights may be partly "
+                    "written until its next sync"
+                ) from exc
+            raise
         if not call.verify:
             return [], ()
         mine = tensor_checksums(tensors)
@@ -221,6 +232,12 @@ class DirectTarget(ReceiveHalf):
     def start(self, call: SyncCall) -> None:
         if self._control is not None:
             self._control.epoch = call.seq + 1
+            if self._torn_down:
+                self.abort()  # see DirectWriter.start: the teardown's words carried the old epoch
+
+    def tear_down(self, by: str) -> None:
+        self._torn_down = by  # before the abort words, as in DirectWriter.tear_down
+        self.abort()
 
     def _ctl(self) -> ControlBlock:
         if self._control is None:
