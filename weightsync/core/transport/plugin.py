@@ -118,7 +118,10 @@ class TrainerSide(Protocol):
         """The party's tensors as it holds them (a sharded rank's DTensors, not gathered)."""
 
     #: What one setup step leaves for a later one (a rendezvous store, a pusher); closed
-    #: (when it has ``close()``) and cleared with the party's transports.
+    #: (when it has ``close()``) and cleared with the party's transports. One that drives
+    #: syncs of its own on another thread (a pusher) has ``kind``, the transport it drives,
+    #: and ``stop() -> bool``, True when one is in flight: the teardown then tears that
+    #: transport's half down first, so the sync ends before ``close()`` waits for it.
     extras: dict[str, Any]
 
     def half(self, kind: str) -> SendHalf | None:
