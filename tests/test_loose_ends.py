@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,32 +24,69 @@ from weightsync.core.pusher import Pusher
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sender import WeightSender
 from weightsync.core.wire import SettingsError, SyncCall, SyncSettings, TensorSpec
+from weightsync.core.wire.errors import PeerAborted, SessionTornDown
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushResult
 from weightsync.glue.ranks import TrainerRanks
 
 
+def direct_pair(timeout_s: float = 60.0) -> tuple[WeightSender, WeightReceiver, Callable[[], None]]:
+    """A trainer and one worker, set up over the direct transport in this process, and a
+    check that the worker's weights are still the ones it started with."""
+    sender = WeightSender(model=MixedModel(seed=0))
+    manifest = sender.manifest(SyncSettings(timeout_s=timeout_s))
+    worker_model = MixedModel(seed=1)
+    before = {n: t.clone() for n, t in worker_model.state_dict().items()}
+    receiver = WeightReceiver(worker_model, name="worker-0")
+    receiver.accept(manifest, timeout_s=timeout_s)
+    open_local(registry.get("direct"), sender, {"worker-0": receiver})
+
+    def unwritten() -> None:
+        for name, tensor in worker_model.state_dict().items():
+            assert torch.equal(tensor, before[name]), f"{name} was written after the teardown"
+
+    return sender, receiver, unwritten
+
+
 @pytest.mark.parametrize("abort", [True, False], ids=["abort", "clean-close"])
-def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_error(abort: bool) -> None:
+@pytest.mark.parametrize("moment", ["before-start", "waiting-for-announcement"])
+def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_error(abort: bool, moment: str) -> None:
     """A reader holds the worker's gate, so the push waits for its announcement; a teardown
     on another thread (as a coordinator's, on a threaded trainer; a failed sync's abort or a
     plain close()) ends it then, not at its deadline: the send fails as torn down, the
     worker is answered with a typed error naming it and the teardown, and the mailboxes go
-    only after the push. A push that waited for its deadline would fail as timed out."""
-    sender = WeightSender(model=MixedModel(seed=0))
-    manifest = sender.manifest(SyncSettings(timeout_s=60.0))
-    receiver = WeightReceiver(MixedModel(seed=1), name="worker-0")
-    receiver.accept(manifest, timeout_s=60.0)
-    open_local(registry.get("direct"), sender, {"worker-0": receiver})
+    only after the push. The teardown lands either after the push posted its call but
+    before the send started (its abort words then carry the previous sync's epoch), or
+    while the send waits for the worker. A push that waited out its deadline would fail
+    as timed out."""
+    sender, receiver, unwritten = direct_pair()
     pusher = Pusher(sender.session, "direct")
     pusher.attach([receiver.listen()])
     receiver.seal_listen()
     sender.extras["pusher"] = pusher
+    half = sender.halves["direct"]
+    reached, torn = threading.Event(), threading.Event()
+    if moment == "before-start":
+        tear_down = half.tear_down
+
+        def torn_down(by: str) -> None:
+            tear_down(by)
+            torn.set()
+
+        half.tear_down = torn_down  # type: ignore[method-assign]
+
+        def send(call: SyncCall) -> Any:
+            reached.set()  # the call is posted and the worker rung: the send has not started
+            assert torn.wait(30), "the teardown never came"
+            return sender.send(call)
+    else:
+        half.on_write = lambda worker: reached.set()  # type: ignore[attr-defined]
+        send = sender.send
     results: list[Any] = []
 
     def push() -> None:
         try:
-            results.append(pusher.push(sender.send, SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})))
+            results.append(pusher.push(send, SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})))
         except Exception as exc:  # the test looks at it
             results.append(exc)
 
@@ -56,10 +94,7 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
         with receiver.reading():
             thread = threading.Thread(target=push, daemon=True)
             thread.start()
-            deadline = time.monotonic() + 30
-            while pusher.seq == 0:  # the push posted its call: it is in flight
-                assert time.monotonic() < deadline, "the push never started"
-                time.sleep(0.005)
+            assert reached.wait(30), "the push never got that far"
             sender.close_transports(abort=abort, by="WeightSync test (close())")
             thread.join(30)
             assert not thread.is_alive()
@@ -71,6 +106,8 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
         assert answer.error == "SessionTornDown" and "worker-0" in answer.message and "torn down" in answer.message
         with pytest.raises(SettingsError, match=r"torn down by WeightSync test \(close\(\)\)"):
             pusher_of(sender)
+        receiver.close_transports(abort=True)  # the listener ends, having received nothing
+        unwritten()
     finally:
         receiver.close_transports(abort=True)
         pusher.close()
@@ -80,20 +117,15 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
 def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_sync_at_once() -> None:
     """The trainer stalls before writing (a hook holds it); the worker's listener announced
     and waits for the bytes. The worker's own teardown ends that wait then, not at its
-    deadline: its answer is a failure of its own, the trainer is told the worker abandoned
+    deadline: its answer says it was torn down, the trainer is told the worker abandoned
     the sync, and nothing is written into the worker."""
-    sender = WeightSender(model=MixedModel(seed=0))
-    manifest = sender.manifest(SyncSettings(timeout_s=60.0))
-    worker_model = MixedModel(seed=1)
-    before = {n: t.clone() for n, t in worker_model.state_dict().items()}
-    receiver = WeightReceiver(worker_model, name="worker-0")
-    receiver.accept(manifest, timeout_s=60.0)
-    open_local(registry.get("direct"), sender, {"worker-0": receiver})
+    from weightsync.core.transport.direct import _ANNOUNCED
+
+    sender, receiver, unwritten = direct_pair()
     pusher = Pusher(sender.session, "direct")
     pusher.attach([receiver.listen()])
     receiver.seal_listen()
-    listener = receiver.listener
-    assert listener is not None
+    control = receiver.active_half._ctl()  # type: ignore[union-attr]
     held = threading.Event()
     release = threading.Event()
 
@@ -115,8 +147,8 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
         thread.start()
         assert held.wait(30), "the push never reached its write"
         deadline = time.monotonic() + 30
-        while not listener.busy:  # the listener took the call: it is inside the sync
-            assert time.monotonic() < deadline, "the listener never took the push"
+        while control[_ANNOUNCED] != 1:  # the worker announced sync 0: it waits for the bytes
+            assert time.monotonic() < deadline, "the worker never announced the push"
             time.sleep(0.005)
         receiver.close_transports(abort=True)
         release.set()
@@ -127,12 +159,44 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
         answer = result.workers["worker-0"].outcome
         assert answer.error == "SessionTornDown" and "worker-0's teardown" in answer.message, answer
         assert result.sent.error == "PeerAborted" and "worker-0" in result.sent.message, result.sent
-        for name, tensor in worker_model.state_dict().items():
-            assert torch.equal(tensor, before[name]), f"{name} was written after the worker's teardown"
+        unwritten()
     finally:
         release.set()
         receiver.close_transports(abort=True)
         pusher.close()
+        sender.close_transports(abort=True)
+
+
+def test_a_sync_starting_after_its_trainers_teardown_fails_at_once_and_its_worker_too() -> None:
+    """The teardown's abort words carry the previous sync's epoch; the next sync's start
+    writes them again, so the trainer fails at once as torn down and its worker, which
+    would otherwise wait for the bytes until its deadline, is told the trainer gave up."""
+    sender, receiver, unwritten = direct_pair()
+    try:
+        sender.halves["direct"].tear_down("WeightSync test (close())")
+        call = SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})
+        with pytest.raises(SessionTornDown, match=r"WeightSync test \(close\(\)\).*worker-0"):
+            sender.send(call)
+        with pytest.raises(PeerAborted, match="trainer"):
+            receiver.receive(call)
+        unwritten()
+    finally:
+        receiver.close_transports(abort=True)
+        sender.close_transports(abort=True)
+
+
+def test_a_sync_starting_after_its_workers_teardown_fails_at_once_and_its_trainer_too() -> None:
+    sender, receiver, unwritten = direct_pair()
+    try:
+        receiver.active_half.tear_down("worker-0's teardown")  # type: ignore[union-attr]
+        call = SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})
+        with pytest.raises(SessionTornDown, match="worker-0's teardown"):
+            receiver.receive(call)
+        with pytest.raises(PeerAborted, match="worker-0"):
+            sender.send(call)
+        unwritten()
+    finally:
+        receiver.close_transports(abort=True)
         sender.close_transports(abort=True)
 
 

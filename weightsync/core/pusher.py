@@ -169,7 +169,9 @@ class Pusher:
         """Refuse every later push; True when one is in flight on another thread (it ends
         once the halves it drives are torn down, :meth:`WeightSender.close_transports`)."""
         self.closing = True
-        # A push checks ``closing`` under the lock: a free lock means none runs or will.
+        # A push checks ``closing`` under the lock: a lock this thread can take means no
+        # other thread runs one or will (the lock is re-entrant: on the push's own thread,
+        # as from a hook inside it, this says False).
         if self._lock.acquire(blocking=False):
             self._lock.release()
             return False

@@ -331,10 +331,10 @@ class WeightSender:
         released."""
         if by:
             self.closed_by = by
-        extras, self.extras = self.extras, {}
         # An extra that drives syncs of its own (a pusher, whose ``kind`` is the transport it
         # drives) says, as it stops, whether one is in flight.
-        pushing = {extra.kind for extra in extras.values() if callable(getattr(extra, "stop", None)) and extra.stop()}
+        pushing = {e.kind for e in self.extras.values() if callable(getattr(e, "stop", None)) and e.stop()}
+        extras, self.extras = self.extras, {}
         told: BaseException | None = None
         torn = [h for kind, h in self.halves.items() if abort or kind in pushing]
         if torn:

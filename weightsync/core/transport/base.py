@@ -144,9 +144,9 @@ class SendHalf(abc.ABC):
     def tear_down(self, by: str) -> None:
         """The session ends, ``by`` whom, while a sync may still run on another thread (a
         teardown during an in-trainer push): that sync's waits end now, and a sync starting
-        after this fails at once instead of waiting for peers. Called before :meth:`close`,
-        which waits for that sync to end. By default :meth:`abort`, for halves whose abort
-        already reaches a sync whatever point it is at."""
+        after this fails at once instead of waiting for peers. The teardown waits for that
+        sync to end (the pusher's ``close()``) before it calls :meth:`close`. By default
+        :meth:`abort`, enough for a half no sync drives from another thread."""
         self.abort()
 
     @abc.abstractmethod

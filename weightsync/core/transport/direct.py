@@ -173,6 +173,8 @@ class DirectTarget(ReceiveHalf):
             return [], tuple(moved)
         code = control.aborted_by
         if code:
+            if self._torn_down:
+                raise self._torn_down_error(call.seq, "had not yet announced itself: nothing was written")
             # A writer gave up before this side got here (a late worker): nothing written.
             who = self._names[code - 1] if 0 < code <= len(self._names) else self.server
             raise PeerAborted(f"{self.name}: {who} already abandoned sync {call.seq}", blames=[who])
@@ -208,11 +210,8 @@ class DirectTarget(ReceiveHalf):
             )
         except PeerAborted as exc:
             if self._torn_down:
-                raise SessionTornDown(
-                    f"{self.name}: the session was torn down ({self._torn_down}) while sync {call.seq} waited for "
-                    f"{', '.join(late()) or self.server} to finish writing; this worker's weights may be partly "
-                    "written until its next sync"
-                ) from exc
+                waited = f"waited for {', '.join(late()) or self.server} to finish writing"
+                raise self._torn_down_error(call.seq, f"{waited} (its weights may be partly written)") from exc
             raise
         if not call.verify:
             return [], ()
@@ -232,12 +231,19 @@ class DirectTarget(ReceiveHalf):
     def start(self, call: SyncCall) -> None:
         if self._control is not None:
             self._control.epoch = call.seq + 1
-            if self._torn_down:
-                self.abort()  # see DirectWriter.start: the teardown's words carried the old epoch
+        if self._torn_down:
+            self.abort()  # see DirectWriter.start: the teardown's words carried the old epoch
+            raise self._torn_down_error(call.seq, "started")
 
     def tear_down(self, by: str) -> None:
         self._torn_down = by  # before the abort words, as in DirectWriter.tear_down
         self.abort()
+
+    def _torn_down_error(self, seq: int, when: str) -> SessionTornDown:
+        return SessionTornDown(
+            f"{self.name}: this worker's session was torn down ({self._torn_down}) when sync {seq} {when}; "
+            "run WeightSync.setup() from the driver before the next sync"
+        )
 
     def _ctl(self) -> ControlBlock:
         if self._control is None:
@@ -385,6 +391,13 @@ class DirectWriter(SendHalf):
             # Torn down before this sync's epoch was set: that abort was an earlier epoch's,
             # which this sync's workers ignore. Written again, it is theirs.
             self.abort()
+            raise self._torn_down_error(call.seq, f"started: nothing was written into {', '.join(call.to(self.kind))}")
+
+    def _torn_down_error(self, seq: int, when: str) -> SessionTornDown:
+        return SessionTornDown(
+            f"{self.name}: the session was torn down ({self._torn_down}) when sync {seq} {when}; "
+            "run WeightSync.setup() from the driver before the next sync"
+        )
 
     def tear_down(self, by: str) -> None:
         # The flag before the abort words: a sync whose start() has not seen the flag set its
@@ -448,13 +461,12 @@ class DirectWriter(SendHalf):
             )
         except PeerAborted as exc:
             if self._torn_down:
-                raise SessionTornDown(
-                    f"{self.name}: the session was torn down ({self._torn_down}) while sync {seq} waited for "
-                    f"{worker} to announce it; nothing was written into {worker}. Run WeightSync.setup() again"
-                ) from exc
+                raise self._torn_down_error(seq, f"waited for {worker} to announce it: nothing was written") from exc
             raise
         code = control.aborted_by
         if code:
+            if self._torn_down:
+                raise self._torn_down_error(seq, f"had not yet written {worker}: nothing was written")
             # The worker (or another writer) gave up on this sync already: its tensors may be
             # serving again, so nothing more lands in them.
             names = [*self.writers, worker]
