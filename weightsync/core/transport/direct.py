@@ -174,7 +174,7 @@ class DirectTarget(ReceiveHalf):
         code = control.aborted_by
         if code:
             if self._torn_down:
-                raise self._torn_down_error(call.seq, "had not yet announced itself: nothing was written")
+                raise self._torn_down_error(call.seq, "was about to begin: nothing was written")
             # A writer gave up before this side got here (a late worker): nothing written.
             who = self._names[code - 1] if 0 < code <= len(self._names) else self.server
             raise PeerAborted(f"{self.name}: {who} already abandoned sync {call.seq}", blames=[who])
@@ -466,7 +466,7 @@ class DirectWriter(SendHalf):
         code = control.aborted_by
         if code:
             if self._torn_down:
-                raise self._torn_down_error(seq, f"had not yet written {worker}: nothing was written")
+                raise self._torn_down_error(seq, f"was about to write {worker}: nothing was written into it")
             # The worker (or another writer) gave up on this sync already: its tensors may be
             # serving again, so nothing more lands in them.
             names = [*self.writers, worker]
