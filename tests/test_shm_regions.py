@@ -209,3 +209,22 @@ def test_a_failure_after_the_file_is_created_removes_it(
         ShmRegion(4096, tag="fails")
     monkeypatch.undo()
     assert set(leftover_segments(scope=current_scope())) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="zombies are read from Linux's /proc")
+def test_a_killed_process_not_yet_reaped_is_dead_to_the_liveness_check() -> None:
+    """A killed Ray actor stays a zombie until the raylet reaps it; the peers watching its
+    pid must see it dead then, not once it is reaped (or at their deadline)."""
+    from weightsync.core.transport.shm import pid_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert pid_alive(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it exited; still a zombie, not reaped
+        assert not pid_alive(proc.pid), f"pid {proc.pid}, killed and not yet reaped, read as alive"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert not pid_alive(proc.pid)
+    assert pid_alive(os.getpid())

@@ -175,8 +175,18 @@ def remove_orphans(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+#: Where Linux shows each process's state (a zombie's included); absent elsewhere.
+_PROC = os.path.isdir("/proc/self")
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (a pid <= 0 means "not known yet": True)."""
+    """Whether process ``pid`` runs on this host (a pid <= 0 means "not known yet": True).
+
+    A zombie is not alive: a killed process stays one until its parent reaps it, and for
+    a Ray actor that parent is the raylet, which on a busy machine takes its time. The
+    signal check alone (``kill(pid, 0)``) sees a zombie as alive, so a dead peer would be
+    named only once reaped, or as timed out at the deadline.
+    """
     if pid <= 0:
         return True
     try:
@@ -184,5 +194,20 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        pass
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` is a zombie, or gone since it was looked up (Linux; elsewhere False)."""
+    if not _PROC:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            line = fh.read()
+    except FileNotFoundError:
+        return True  # reaped meanwhile
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")".
+    return line[line.rfind(b")") + 2 : line.rfind(b")") + 3] == b"Z"
