@@ -167,33 +167,30 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
         sender.close_transports(abort=True)
 
 
-def test_a_sync_starting_after_its_trainers_teardown_fails_at_once_and_its_worker_too() -> None:
+@pytest.mark.parametrize("side", ["trainer", "worker"])
+def test_a_sync_starting_after_one_sides_teardown_fails_there_at_once_and_its_peer_too(side: str) -> None:
     """The teardown's abort words carry the previous sync's epoch; the next sync's start
-    writes them again, so the trainer fails at once as torn down and its worker, which
-    would otherwise wait for the bytes until its deadline, is told the trainer gave up."""
+    writes them again, so the torn-down side fails at once as torn down and its peer, which
+    would otherwise wait for the other until its deadline, is told that side gave up."""
     sender, receiver, unwritten = direct_pair()
+    call = SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})
+    torn_down: Any
+    if side == "trainer":
+        torn_down, by, names = (
+            sender.halves["direct"],
+            "WeightSync test (close())",
+            r"WeightSync test \(close\(\)\).*worker-0",
+        )
+        first, then, peer = sender.send, receiver.receive, "trainer"
+    else:
+        torn_down, by, names = receiver.active_half, "worker-0's teardown", "worker-0's teardown"
+        first, then, peer = receiver.receive, sender.send, "worker-0"
     try:
-        sender.halves["direct"].tear_down("WeightSync test (close())")
-        call = SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})
-        with pytest.raises(SessionTornDown, match=r"WeightSync test \(close\(\)\).*worker-0"):
-            sender.send(call)
-        with pytest.raises(PeerAborted, match="trainer"):
-            receiver.receive(call)
-        unwritten()
-    finally:
-        receiver.close_transports(abort=True)
-        sender.close_transports(abort=True)
-
-
-def test_a_sync_starting_after_its_workers_teardown_fails_at_once_and_its_trainer_too() -> None:
-    sender, receiver, unwritten = direct_pair()
-    try:
-        receiver.active_half.tear_down("worker-0's teardown")  # type: ignore[union-attr]
-        call = SyncCall(seq=0, version=1, targets={"direct": ("worker-0",)})
-        with pytest.raises(SessionTornDown, match="worker-0's teardown"):
-            receiver.receive(call)
-        with pytest.raises(PeerAborted, match="worker-0"):
-            sender.send(call)
+        torn_down.tear_down(by)
+        with pytest.raises(SessionTornDown, match=names):
+            first(call)
+        with pytest.raises(PeerAborted, match=peer):
+            then(call)
         unwritten()
     finally:
         receiver.close_transports(abort=True)

@@ -80,13 +80,39 @@ def _mismatches(manifest: Manifest, tensors: Sequence[torch.Tensor], who: str) -
         )
 
 
-class DirectTarget(ReceiveHalf):
+class _TornDown:
+    """A direct half's record of a teardown (:meth:`SendHalf.tear_down`), shared by both sides.
+
+    The flag is set before the abort words are written: a sync whose ``start()`` has not
+    seen it set its epoch first, so those words carry that epoch and end its waits (and its
+    peer's); a ``start()`` that sees it writes them again and fails the sync at once.
+    """
+
+    name: str
+    _torn_down = ""  # who tore the session down; "" while it is open
+    _whose = "the session"
+    abort: Callable[[], None]
+
+    def tear_down(self, by: str) -> None:
+        self._torn_down = by
+        self.abort()
+
+    def _torn_down_error(self, seq: int, when: str) -> SessionTornDown:
+        return SessionTornDown(
+            f"{self.name}: {self._whose} was torn down ({self._torn_down}) when sync {seq} {when}; "
+            "run WeightSync.setup() from the driver before the next sync"
+        )
+
+
+class DirectTarget(_TornDown, ReceiveHalf):
     """The worker's side: owns the exported region its tensors now live in.
 
     ``writers``: the trainer parties that write into it, each its own part, in the order
     their completions are counted (default: the party serving this worker, alone); the
     worker's receive returns once every one of them wrote.
     """
+
+    _whose = "this worker's session"
 
     kind = "direct"
     knows_sender_finished = True
@@ -107,8 +133,6 @@ class DirectTarget(ReceiveHalf):
         self._export: DirectExport | None = None
         self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
         self.exports_made = 0
-        #: Who tore the session down (see :meth:`tear_down`); "" while it is open.
-        self._torn_down = ""
 
     def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
         """Move ``tensors`` (aligned with the manifest) into a fresh exported region.
@@ -232,18 +256,8 @@ class DirectTarget(ReceiveHalf):
         if self._control is not None:
             self._control.epoch = call.seq + 1
         if self._torn_down:
-            self.abort()  # see DirectWriter.start: the teardown's words carried the old epoch
+            self.abort()  # the teardown's words carried the previous epoch (see _TornDown)
             raise self._torn_down_error(call.seq, "started")
-
-    def tear_down(self, by: str) -> None:
-        self._torn_down = by  # before the abort words, as in DirectWriter.tear_down
-        self.abort()
-
-    def _torn_down_error(self, seq: int, when: str) -> SessionTornDown:
-        return SessionTornDown(
-            f"{self.name}: this worker's session was torn down ({self._torn_down}) when sync {seq} {when}; "
-            "run WeightSync.setup() from the driver before the next sync"
-        )
 
     def _ctl(self) -> ControlBlock:
         if self._control is None:
@@ -284,7 +298,7 @@ class _Mapped:
     plan: CopyPlan | None = None  # the batched copies for the sources seen last
 
 
-class DirectWriter(SendHalf):
+class DirectWriter(_TornDown, SendHalf):
     """The trainer's side: maps each worker's region once and writes into it.
 
     ``writer`` of ``writers``: this party's place among the trainer parties that write into
@@ -316,8 +330,6 @@ class DirectWriter(SendHalf):
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
         self._copier = BatchedCopier.create(device)
-        #: Who tore the session down (see :meth:`tear_down`); "" while it is open.
-        self._torn_down = ""
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -392,18 +404,6 @@ class DirectWriter(SendHalf):
             # which this sync's workers ignore. Written again, it is theirs.
             self.abort()
             raise self._torn_down_error(call.seq, f"started: nothing was written into {', '.join(call.to(self.kind))}")
-
-    def _torn_down_error(self, seq: int, when: str) -> SessionTornDown:
-        return SessionTornDown(
-            f"{self.name}: the session was torn down ({self._torn_down}) when sync {seq} {when}; "
-            "run WeightSync.setup() from the driver before the next sync"
-        )
-
-    def tear_down(self, by: str) -> None:
-        # The flag before the abort words: a sync whose start() has not seen the flag set its
-        # epoch first, so these words carry that epoch and end its waits (and its workers').
-        self._torn_down = by
-        self.abort()
 
     def walks(self, targets: Sequence[str], verify: bool) -> int:
         """One pass over streamed sources, whatever the number of workers (see :meth:`_send_streamed`)."""
