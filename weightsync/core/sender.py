@@ -146,14 +146,7 @@ class WeightSender:
             ):
                 self._checked_key = key
                 return Sources(current, key)
-        pairs = self.named_tensors()
-        problems = self._changes(manifest, pairs)
-        if problems:
-            raise ModelChangedError(
-                f"{self.name}: the model changed since setup (nothing was sent): {'; '.join(problems)}; "
-                "run WeightSync.setup() again once every worker holds the same model"
-            )
-        tensors = [t for _, t in pairs]
+        tensors = [t for _, t in self.checked_pairs(manifest)]
         key = plan_key(tensors)
         if plain:
             self._paths = TensorPaths(self.model, manifest.names)  # type: ignore[arg-type]
@@ -163,6 +156,18 @@ class WeightSender:
     def sources(self) -> list[torch.Tensor]:
         """This sync's tensors in manifest order, detached (see :meth:`checked_sources`)."""
         return [t.detach() for t in self.checked_sources().tensors]
+
+    def checked_pairs(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        """Every (name, tensor) to send, after refusing, naming the tensors, a model that
+        changed since ``manifest`` was made."""
+        pairs = self.named_tensors()
+        problems = self._changes(manifest, pairs)
+        if problems:
+            raise ModelChangedError(
+                f"{self.name}: the model changed since setup (nothing was sent): {'; '.join(problems)}; "
+                "run WeightSync.setup() again once every worker holds the same model"
+            )
+        return pairs
 
     def _changes(self, manifest: Manifest, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         now = {n: t for n, t in pairs}

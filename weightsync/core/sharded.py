@@ -149,15 +149,7 @@ class ShardedSender(WeightSender):
 
     def checked_sources(self) -> Sources:
         """This sync's tensors (DTensors as they are, not gathered), checked against the manifest."""
-        manifest = self.current_manifest
-        pairs = self.named_tensors()
-        problems = self._changes(manifest, pairs)
-        if problems:
-            raise ModelChangedError(
-                f"{self.name}: the model changed since setup (nothing was sent): {'; '.join(problems)}; "
-                "run WeightSync.setup() again once every worker holds the same model"
-            )
-        return Sources([t for _, t in pairs], None)
+        return Sources([t for _, t in self.checked_pairs(self.current_manifest)], None)
 
     def _agree(self, walks: int, refused: bool, wait: Wait) -> int:
         """Every rank's [walks, refused] reduced with MAX; raises if another rank refused."""
