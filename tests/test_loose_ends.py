@@ -23,6 +23,7 @@ from weightsync.core.plugins.push import pusher_of
 from weightsync.core.pusher import Pusher
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sender import WeightSender
+from weightsync.core.transport.direct import _ANNOUNCED
 from weightsync.core.wire import SettingsError, SyncCall, SyncSettings, TensorSpec
 from weightsync.core.wire.errors import PeerAborted, SessionTornDown
 from weightsync.core.wire.manifest import Manifest
@@ -119,8 +120,6 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
     and waits for the bytes. The worker's own teardown ends that wait then, not at its
     deadline: its answer says it was torn down, the trainer is told the worker abandoned
     the sync, and nothing is written into the worker."""
-    from weightsync.core.transport.direct import _ANNOUNCED
-
     sender, receiver, unwritten = direct_pair()
     pusher = Pusher(sender.session, "direct")
     pusher.attach([receiver.listen()])

@@ -210,4 +210,5 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return False
     # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")".
-    return line[line.rfind(b")") + 2 : line.rfind(b")") + 3] == b"Z"
+    state = line.rfind(b")") + 2
+    return line[state : state + 1] == b"Z"
