@@ -120,6 +120,7 @@ def packed_ipc_producer(
     try:
         for name, original in iterator:
             tensor = post_iter_func((name, original))
+            wire = dtype_name(tensor.dtype, name)
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > buffer_size_bytes:
                 raise ValueError(
@@ -136,7 +137,7 @@ def packed_ipc_producer(
             write_bytes_at(region.tensor, used, tensor)
             names.append(name)
             shapes.append(list(tensor.shape))
-            dtype_names.append(dtype_name(tensor.dtype))
+            dtype_names.append(wire)
             sizes.append(nbytes)
             used += nbytes
         if names and region is not None:

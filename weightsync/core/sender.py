@@ -29,6 +29,7 @@ from weightsync.core.sinks import TensorPaths, module_tensors
 from weightsync.core.transport.base import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.transport.batched_copy import PlanKey, plan_key
 from weightsync.core.transport.riders import RiddenTensors
+from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 from weightsync.core.wire.messages import SendResult, SyncCall
@@ -62,6 +63,7 @@ class WeightSender:
     def __post_init__(self) -> None:
         if self.model is None and self.source is None:
             raise ValueError("WeightSender needs a model or a source callable")
+        check_wire_dtype(self.wire_dtype)
         self._session: Session | None = None
         self.halves: dict[str, SendHalf] = {}
         #: What one setup step of a plug-in leaves for a later one (see TrainerSide.extras).

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from weightsync.core.sinks import LoadWeightsSink
+from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import SettingsError
 from weightsync.glue.protocol import resolve_device
 from weightsync.glue.ranks import RankSpec
@@ -94,8 +95,7 @@ class TrainerHost(_ModelHost, TrainerMixin):
         rank: RankSpec | None = None,
     ) -> None:
         super().__init__(model_factory, device, rank)
-        if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
-            raise SettingsError(f"wire_dtype must be a floating torch.dtype, got {wire_dtype!r}")
+        check_wire_dtype(wire_dtype)
         self.wire_dtype = wire_dtype
 
 

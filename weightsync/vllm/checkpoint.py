@@ -35,17 +35,42 @@ def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> list[TensorSp
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            floating = entry["dtype"] in ("F64", "F32", "F16", "BF16")
-            wire = dtype if floating else _INT_DTYPES[entry["dtype"]]
+            stored = entry["dtype"]
+            if stored in _CAST_TO_ENGINE:
+                wire = dtype
+            elif stored in _KEPT:
+                wire = _KEPT[stored]
+            else:
+                raise WeightSyncError(
+                    f"{path}: tensor {name!r} is stored as {stored}, a dtype weightsync cannot send "
+                    f"(it sends {', '.join(sorted([*_CAST_TO_ENGINE, *_KEPT]))}); pass expected_specs= "
+                    "or check_model=False to VLLMWorker"
+                )
             specs.append(TensorSpec.of(name, torch.empty(entry["shape"], dtype=wire, device="meta")))
     return specs
 
 
-_INT_DTYPES = {
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+#: Floating checkpoint dtypes, which the engine loads as its own dtype.
+_CAST_TO_ENGINE = ("F64", "F32", "F16", "BF16")
+
+#: Checkpoint dtypes the engine keeps as they are stored: integers, and the float8 and
+#: complex tensors of quantized checkpoints (their scales are ordinary floating tensors).
+_KEPT = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("I64", "int64"),
+        ("I32", "int32"),
+        ("I16", "int16"),
+        ("I8", "int8"),
+        ("U64", "uint64"),
+        ("U32", "uint32"),
+        ("U16", "uint16"),
+        ("U8", "uint8"),
+        ("BOOL", "bool"),
+        ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"),
+        ("F8_E8M0", "float8_e8m0fnu"),
+        ("C64", "complex64"),
+    )
+    if isinstance(getattr(torch, attr, None), torch.dtype)
 }

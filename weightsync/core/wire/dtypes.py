@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from weightsync.core.wire.errors import UnsupportedDtypeError
+from weightsync.core.wire.errors import SettingsError, UnsupportedDtypeError
 
 _CANDIDATES = (
     "bool",
@@ -41,20 +41,41 @@ ALLOWED_DTYPES: Mapping[str, torch.dtype] = {
 _NAME_OF_DTYPE = {dtype: name for name, dtype in ALLOWED_DTYPES.items()}
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """Resolve a wire dtype name through the allow-list, refusing anything else."""
+def _of(tensor: str | None) -> str:
+    return "" if tensor is None else f"tensor {tensor!r}: "
+
+
+def dtype_from_name(name: str, tensor: str | None = None) -> torch.dtype:
+    """Resolve a wire dtype name through the allow-list, refusing anything else (naming
+    ``tensor``, the tensor it belongs to, where given)."""
     if not isinstance(name, str) or name not in ALLOWED_DTYPES:
         raise UnsupportedDtypeError(
-            f"dtype {name!r} is not one weightsync can transfer; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
+            f"{_of(tensor)}dtype {name!r} is not one weightsync can transfer; "
+            f"allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
         )
     return ALLOWED_DTYPES[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of ``dtype``; refuses dtypes outside the allow-list."""
+def dtype_name(dtype: torch.dtype, tensor: str | None = None) -> str:
+    """The wire name of ``dtype``; refuses dtypes outside the allow-list (naming ``tensor``,
+    the tensor of that dtype, where given)."""
     try:
         return _NAME_OF_DTYPE[dtype]
     except KeyError:
         raise UnsupportedDtypeError(
-            f"dtype {dtype} cannot be transferred; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
+            f"{_of(tensor)}dtype {dtype} cannot be transferred; allowed: {', '.join(sorted(ALLOWED_DTYPES))}"
         ) from None
+
+
+def check_wire_dtype(wire_dtype: object) -> None:
+    """A trainer's ``wire_dtype`` (the dtype its floating tensors travel in) is None or a
+    floating ``torch.dtype`` on the allow-list; anything else (a name such as
+    ``"bfloat16"``, an integer dtype that would truncate every weight) is refused here,
+    naming the setting, rather than surfacing later as a dtype mismatch."""
+    if wire_dtype is None:
+        return
+    if isinstance(wire_dtype, str):
+        raise SettingsError(f"wire_dtype must be a torch.dtype, got the string {wire_dtype!r}: pass torch.{wire_dtype}")
+    if not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point and wire_dtype in _NAME_OF_DTYPE):
+        floats = ", ".join(f"torch.{name}" for name, d in ALLOWED_DTYPES.items() if d.is_floating_point)
+        raise SettingsError(f"wire_dtype must be None or a floating torch.dtype ({floats}), got {wire_dtype!r}")

@@ -46,12 +46,12 @@ class TensorSpec:
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise ManifestError(f"tensor {self.name!r}: shape {self.shape!r} must be non-negative integers")
         object.__setattr__(self, "shape", shape)
-        dtype_from_name(self.dtype)
+        dtype_from_name(self.dtype, self.name)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
         """The spec of ``tensor`` as sent under ``name``, optionally cast to ``dtype``."""
-        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype, name))
 
     @property
     def torch_dtype(self) -> torch.dtype:
