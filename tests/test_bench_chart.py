@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.core.wire.errors import SettingsError
+from weightsync.tools import cluster
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.report import Case
 from weightsync.tools.cli import build_parser
@@ -69,6 +70,20 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: 
     else:
         plot(small_result(), str(tmp_path / "bench.png"))
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_results_file_that_cannot_be_written_is_refused_before_ray_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_measuring(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the bench began (connected to Ray) with a --json path it cannot write")
+
+    monkeypatch.setattr(cluster, "connect", no_measuring)
+    missing = str(tmp_path / "no-such-folder" / "bench.json")
+    args = build_parser().parse_args(["bench", "--sizes", "1mb", "--json", missing])
+    with pytest.raises(SettingsError, match="--json") as err:
+        args.func(args)
+    assert "no-such-folder" in str(err.value)
 
 
 def test_the_bench_takes_a_plot_path() -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import getpass
+import json
+import os
+
 import pytest
 
 from weightsync.tools.cli import build_parser
+from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect
 
 
 @pytest.mark.parametrize(
@@ -16,6 +21,18 @@ from weightsync.tools.cli import build_parser
         (["demo", "--workers", "0"], "--workers", "0"),
         (["demo", "--num-buffers", "0"], "--num-buffers", "0"),
         (["demo", "--buffer-mib", "0"], "--buffer-mib", "0"),
+        (["demo", "--buffer-mib", "0.3"], "--buffer-mib", "256-byte"),
+        (["demo", "--buffer-mib", "1e-9"], "--buffer-mib", "1e-9"),
+        (["demo", "--buffer-mib", "inf"], "--buffer-mib", "inf"),
+        (["demo", "--buffer-mib", "nan"], "--buffer-mib", "nan"),
+        (["demo", "--timeout", "0"], "--timeout", "0"),
+        (["demo", "--timeout", "-5"], "--timeout", "-5"),
+        (["demo", "--timeout", "inf"], "--timeout", "inf"),
+        (["bench", "--timeout", "0"], "--timeout", "0"),
+        (["cluster", "start", "--timeout", "-1"], "--timeout", "-1"),
+        (["cluster", "submit", "--timeout", "nan", "--", "true"], "--timeout", "nan"),
+        (["cluster", "stop", "--timeout", "soon"], "--timeout", "soon"),
+        (["cluster", "submit", "--address", "127.0.0.1:6379", "--", "true"], "--address", "127.0.0.1:6379"),
         (["bench", "--repeats", "0"], "--repeats", "0"),
         (["bench", "--transports", "ipc,nccl-fast"], "--transports", "nccl-fast"),
         (["bench", "--transports", ","], "--transports", "at least one"),
@@ -46,6 +63,7 @@ def test_an_unknown_bench_transport_is_named_among_good_ones(capsys: pytest.Capt
 def test_good_values_parse() -> None:
     args = build_parser().parse_args(["demo", "--steps", "1", "--workers", "3", "--buffer-mib", "0.5"])
     assert (args.steps, args.workers, args.buffer_mib) == (1, 3, 512 * 1024)
+    assert build_parser().parse_args(["demo", "--timeout", "0.5"]).timeout == 0.5
     bench = build_parser().parse_args(["bench", "--repeats", "2", "--transports", "ipc,direct", "--sizes", "1mb"])
     assert (bench.repeats, bench.transports, bench.sizes) == (2, ["ipc", "direct"], ["1mb"])
     assert bench.sharded_ranks is None  # the run picks its default (CPU: 2 ranks)
@@ -94,3 +112,54 @@ def test_ray_workers_get_the_checkout_on_their_path_not_the_package_folder() -> 
 
     root = Path(cluster._PROJECT_ROOT)
     assert (root / "weightsync" / "__init__.py").is_file(), root
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [("[1]", "got list"), ("{env_vars: 1}", "not JSON"), ('"text"', "got str")]
+)
+def test_a_runtime_env_that_is_not_a_json_object_is_refused_naming_the_option(
+    value: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["cluster", "submit", "--runtime-env-json", value, "--", "true"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --runtime-env-json" in err and shown in err, err
+
+
+def test_the_command_line_works_for_a_user_the_system_cannot_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container run with an arbitrary uid has no passwd entry: getuser() raises."""
+
+    def nameless() -> str:
+        raise KeyError(f"getpwuid(): uid not found: {os.getuid()}")
+
+    monkeypatch.setattr(getpass, "getuser", nameless)
+    monkeypatch.delenv("WEIGHTSYNC_HEAD_DIR", raising=False)
+    args = build_parser().parse_args(["cluster", "env"])
+    assert args.dir.name.startswith(f"weightsync-head-uid{os.getuid()}-"), args.dir
+    assert build_parser().parse_args(["demo", "--steps", "1"]).steps == 1
+
+
+@pytest.mark.parametrize("via_env", [False, True], ids=["--address", "RAY_ADDRESS"])
+def test_a_job_server_address_is_refused_naming_where_it_came_from(
+    via_env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `cluster env` exports is for `ray job submit`; ray.init cannot join it."""
+    url = "http://127.0.0.1:8265"
+    if via_env:
+        monkeypatch.setenv("RAY_ADDRESS", url)
+    with pytest.raises(ValueError, match="RAY_ADDRESS" if via_env else "--address") as err:
+        connect(None if via_env else url)
+    assert url in str(err.value) and "unset RAY_ADDRESS" in str(err.value)
+
+
+def test_a_job_that_sets_its_own_pythonpath_joins_without_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray refuses to merge the same variable from the job's runtime env and ray.init's."""
+    ours = {"env_vars": {"PYTHONPATH": "/checkout"}}
+    monkeypatch.delenv(JOB_CONFIG_VAR, raising=False)
+    assert _joining_env(ours) == ours  # not a job's driver
+    monkeypatch.setenv(JOB_CONFIG_VAR, json.dumps({"runtime_env": {"working_dir": "/x"}, "metadata": {}}))
+    assert _joining_env(ours) == ours
+    job_env = {"working_dir": "/x", "env_vars": {"PYTHONPATH": "/my/libs"}}
+    monkeypatch.setenv(JOB_CONFIG_VAR, json.dumps({"runtime_env": job_env, "metadata": {}}))
+    assert _joining_env(ours) is None

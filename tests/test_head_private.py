@@ -10,15 +10,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from weightsync.tools import private_files
+from weightsync.tools.cli import build_parser
 from weightsync.tools.head import (
     HeadError,
     HeadInfo,
@@ -29,6 +33,7 @@ from weightsync.tools.head import (
     start_head,
     stop_head,
 )
+from weightsync.tools.jobs import JobServer
 from weightsync.tools.private_files import UnsafePathError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,10 +230,70 @@ def test_a_process_of_another_user_is_never_the_head(head_dir: Path, decoy: subp
     assert head_running(other_dir) is False
 
 
-def test_stop_signals_the_recorded_head(head_dir: Path, decoy: subprocess.Popen[bytes]) -> None:
+def test_stop_signals_the_recorded_head_and_forgets_its_record_and_token(
+    head_dir: Path, decoy: subprocess.Popen[bytes]
+) -> None:
     record(head_dir, pid=decoy.pid, start_time=process_start_time(decoy.pid))
+    private_files.write_file(head_dir / "auth_token", b"secret")
     assert stop_head(head_dir, timeout_s=30).startswith("stopped the head")
     assert decoy.wait(timeout=30) == -15  # SIGTERM
+    assert read_info(head_dir) is None
+    assert not (head_dir / "auth_token").exists(), "the stopped head's token was left behind"
+
+
+@pytest.mark.parametrize("command", ["env", "submit"])
+def test_env_and_submit_refuse_a_recorded_head_that_is_not_running(
+    head_dir: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record(head_dir)  # pid 1: not this user's head
+    argv = ["cluster", command, "--dir", str(head_dir)] + (["--", "true"] if command == "submit" else [])
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 2
+    out = capsys.readouterr()
+    assert "not running" in out.err and str(head_dir) in out.err and "cluster start" in out.err, out.err
+    assert "RAY_ADDRESS" not in out.out  # nothing to eval for a dead head
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A head directory with a path short enough for Ray's socket names (pytest's are not)."""
+    parent = Path(tempfile.mkdtemp(prefix="wsh-"))
+    try:
+        yield parent / "head"
+    finally:
+        shutil.rmtree(parent)
+
+
+def test_a_start_interrupted_while_it_waits_stops_its_head(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while start waits for the job server (here: as it first answers): the head,
+    in a session of its own, is stopped with every process of its node, not left running."""
+    directory = short_dir
+    real_reachable = JobServer.reachable
+    pids: list[int] = []
+
+    def interrupted(self: JobServer) -> bool:
+        if not real_reachable(self):
+            return False
+        info = read_info(directory)
+        assert info is not None and head_running(info)
+        pids.extend([info.pid, *(p.pid for p in psutil.Process(info.pid).children(recursive=True))])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobServer, "reachable", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start_head(directory, timeout_s=120)
+    assert len(pids) > 1, "the head had started no processes"
+    _, alive = psutil.wait_procs([p for p in map(_process, pids) if p is not None], timeout=60)
+    running = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not running, f"the interrupted start left processes of its head running: {running}"
+    assert read_info(directory) is None and not (directory / "auth_token").exists()
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
 
 
 @pytest.mark.parametrize("reused", [False, True], ids=["the-head", "pid-reused"])

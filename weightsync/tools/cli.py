@@ -19,7 +19,7 @@ from weightsync.core import registry
 from weightsync.core.choice import requests
 from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
-from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int
+from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int, positive_seconds
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
 
 
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS, help="buffers in rotation (1 serializes)"
     )
-    d.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    d.add_argument("--timeout", type=positive_seconds, default=120.0, help="seconds any wait may take")
     d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync (default: off)")
     d.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"

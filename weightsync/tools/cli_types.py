@@ -8,7 +8,12 @@ check lives here once instead of after parsing in every command.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
+
+from weightsync.core.wire.settings import DEFAULT_ALIGNMENT
+
+MIB = 1024 * 1024
 
 
 def positive_int(value: str) -> int:
@@ -23,14 +28,32 @@ def positive_int(value: str) -> int:
 
 
 def mib(value: str) -> int:
-    """A size in MiB (fractions allowed), returned in bytes; must be positive."""
+    """A size in MiB (fractions allowed), returned in bytes: finite, above 0, and a whole
+    number of the buffers' alignment (256 bytes), as buffer sizes must be."""
     try:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 MiB, got {value}")
-    return int(number * 1024 * 1024)
+    if not (number > 0 and math.isfinite(number)):
+        raise argparse.ArgumentTypeError(f"must be a finite size above 0 MiB, got {value}")
+    nbytes = round(number * MIB)
+    if nbytes == 0 or nbytes % DEFAULT_ALIGNMENT:
+        raise argparse.ArgumentTypeError(
+            f"{value} MiB is {nbytes} bytes, not a whole number of {DEFAULT_ALIGNMENT}-byte blocks "
+            f"(multiples of {DEFAULT_ALIGNMENT / MIB:g} MiB, e.g. 0.25, 1 or 64)"
+        )
+    return nbytes
+
+
+def positive_seconds(value: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not (number > 0 and math.isfinite(number)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {value}")
+    return number
 
 
 def comma_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:

@@ -14,6 +14,7 @@ submit``).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import ray
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: weightsync/tools/cluster.py
 LOOPBACK = "127.0.0.1"
+#: Set by Ray's job supervisor in a job's driver: the job's config, its runtime env included.
+JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:
@@ -30,13 +33,22 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     Returns what happened, for the caller to print. Workers get this source tree on their
     ``PYTHONPATH`` so ``python -m weightsync`` works from a checkout without installing.
     """
+    from_env = not address
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        where = "RAY_ADDRESS" if from_env else "--address"
+        raise ValueError(
+            f"{where}={address} is a job server's address (what `cluster env` exports for `ray job submit`), "
+            "not a Ray cluster's: to run here, `unset RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN_PATH` first; "
+            "to run on that head, submit the command as a job (`python -m weightsync cluster submit -- ...`); "
+            "to join a cluster, pass its GCS address (host:port)"
+        )
     if ray.is_initialized():
         return {"mode": "already connected"}
-    address = address or os.environ.get("RAY_ADDRESS")
     path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": path}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        ray.init(address=address, runtime_env=_joining_env(runtime_env), log_to_driver=False)
         return {"mode": "joined", "address": address}
     _stay_on_loopback()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -61,6 +73,17 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and pass --address"
         )
     return {"mode": "started", "address": "local", "node_ip": node_ip}
+
+
+def _joining_env(ours: dict[str, Any]) -> dict[str, Any] | None:
+    """The runtime env to join with: ``ours`` (this checkout on the workers' PYTHONPATH),
+    except in a job's driver whose own runtime env sets PYTHONPATH. Ray refuses to merge
+    the same variable from both, and such a job's working_dir already carries the code."""
+    job = os.environ.get(JOB_CONFIG_VAR)
+    if job is None:
+        return ours
+    job_env = json.loads(job).get("runtime_env") or {}
+    return None if "PYTHONPATH" in (job_env.get("env_vars") or {}) else ours
 
 
 def _stay_on_loopback() -> None:

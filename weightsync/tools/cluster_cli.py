@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from weightsync.tools.cli_types import DefaultsHelpFormatter
+from weightsync.tools.cli_types import DefaultsHelpFormatter, positive_seconds
 from weightsync.tools.head import (
     HeadError,
     HeadInfo,
     default_directory,
+    head_running,
     read_info,
     read_token,
     start_head,
@@ -49,14 +51,43 @@ def job_runtime_env(working_dir: str, extra_json: str | None = None) -> dict[str
     """The job's runtime env: ``working_dir`` uploaded without :data:`UPLOAD_EXCLUDES`, then
     ``--runtime-env-json`` merged over it (its ``excludes``, if any, replace these)."""
     runtime_env: dict[str, Any] = {"working_dir": working_dir, "excludes": list(UPLOAD_EXCLUDES)}
-    runtime_env.update(json.loads(extra_json) if extra_json else {})
+    runtime_env.update(json_object(extra_json) if extra_json else {})
     return runtime_env
+
+
+def _job_server_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"expected the job server's http(s) address (the dashboard, e.g. http://HEAD:8265), got {value!r}"
+        )
+    return value
+
+
+def _checked_json(value: str) -> str:
+    json_object(value)
+    return value
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """A JSON object (``--runtime-env-json``); anything else is refused, saying what it was."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {type(parsed).__name__}: {value!r}")
+    return parsed
 
 
 def _running_head(directory: Path) -> HeadInfo:
     info = read_info(directory)
     if info is None:
         raise HeadError(f"no head recorded in {directory}: start one with `bash scripts/run.sh cluster start`")
+    if not head_running(info):
+        raise HeadError(
+            f"the head recorded in {directory} (pid {info.pid}) is not running any more: start a new one with "
+            "`bash scripts/run.sh cluster start`"
+        )
     return info
 
 
@@ -84,6 +115,11 @@ def _env(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     print(stop_head(args.dir, timeout_s=args.timeout))
+    exported = os.environ.get("RAY_ADDRESS", "")
+    if exported.startswith(("http://", "https://")):
+        print(
+            f"this shell still exports RAY_ADDRESS={exported} (from `cluster env`): unset RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN_PATH"
+        )
     return 0
 
 
@@ -103,7 +139,15 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted job {job_id} to {server.url}", flush=True)
     if args.no_wait:
         return 0
-    status = server.follow(job_id, timeout_s=args.timeout)
+    try:
+        status = server.follow(job_id, timeout_s=args.timeout)
+    except KeyboardInterrupt:
+        print(
+            f"\njob {job_id} goes on running on {server.url}; to stop it: RAY_AUTH_MODE=token "
+            f"RAY_AUTH_TOKEN_PATH=<the head's token file> .venv/bin/ray job stop --address {server.url} {job_id}",
+            file=sys.stderr,
+        )
+        raise
     print(f"job {job_id}: {status}", flush=True)
     return 0 if status == "SUCCEEDED" else 1
 
@@ -125,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a loopback Ray head with token auth and jobs",
     )
     start.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
-    start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the job server")
+    start.add_argument("--timeout", type=positive_seconds, default=180.0, help="seconds to wait for the job server")
     start.set_defaults(cluster_func=_start)
 
     submit = sub.add_parser(
@@ -135,7 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit a job and follow its log until it ends",
     )
     submit.add_argument(
-        "--address", help="a job server this command did not start, http://host:8265 (default: the head in --dir)"
+        "--address",
+        type=_job_server_url,
+        help="a job server this command did not start, http://host:8265 (default: the head in --dir)",
     )
     submit.add_argument(
         "--token-file",
@@ -147,9 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="uploaded as the job's working dir, without .git, .venv and caches (default: .)",
     )
     submit.add_argument(
-        "--runtime-env-json", help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)'
+        "--runtime-env-json",
+        type=_checked_json,
+        help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)',
     )
-    submit.add_argument("--timeout", type=float, default=900.0, help="stop the job after this many seconds")
+    submit.add_argument("--timeout", type=positive_seconds, default=900.0, help="stop the job after this many seconds")
     submit.add_argument(
         "--no-wait",
         action="store_true",
@@ -176,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=DefaultsHelpFormatter,
         help="stop the head this checkout started (never `ray stop`)",
     )
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the head to exit")
+    stop.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds to wait for the head to exit")
     stop.set_defaults(cluster_func=_stop)
     parser.set_defaults(func=run)
 
@@ -184,6 +232,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return int(args.cluster_func(args))
-    except (HeadError, UnsafePathError) as exc:
+    except (HeadError, UnsafePathError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

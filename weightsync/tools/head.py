@@ -85,7 +85,9 @@ class HeadInfo:
         return JobServer(self.dashboard_url, read_token(Path(self.token_path)))
 
     def env(self) -> dict[str, str]:
-        """What a plain ``ray job submit`` (or ``ray.init``) needs to reach this head."""
+        """What a plain ``ray job submit`` needs to reach this head's job server. Not for
+        ``ray.init``: RAY_ADDRESS is the job server's http address, which ray.init refuses
+        (and :func:`weightsync.tools.cluster.connect` explains)."""
         return {"RAY_ADDRESS": self.dashboard_url, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
 
 
@@ -104,7 +106,16 @@ def default_directory() -> Path:
     if env:
         return Path(env)
     digest = hashlib.sha1(str(PROJECT_ROOT).encode()).hexdigest()[:8]
-    return Path("/tmp") / f"weightsync-head-{getpass.getuser()}-{digest}"
+    return Path("/tmp") / f"weightsync-head-{_user()}-{digest}"
+
+
+def _user() -> str:
+    """The login name, or ``uid<N>`` for a user the system cannot name (a container run
+    with an arbitrary uid has no passwd entry and no $USER)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # KeyError up to Python 3.12, OSError from 3.13
+        return f"uid{os.getuid()}"
 
 
 def _free_port() -> int:
@@ -274,18 +285,27 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         start_time=process_start_time(proc.pid) or 0,
     )
     private_files.write_file(directory / "head.json", json.dumps(asdict(info), indent=2).encode())
+    try:
+        _wait_for_jobs(proc, info, log_path, timeout_s)
+    except BaseException:
+        # A failure or Ctrl-C while waiting: the head runs in a session of its own, so
+        # nothing else would ever stop it.
+        stop_head(directory, timeout_s=60)
+        raise
+    return info
+
+
+def _wait_for_jobs(proc: subprocess.Popen[bytes], info: HeadInfo, log_path: Path, timeout_s: float) -> None:
+    """Until the head's job server answers; raises if the head exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     server = info.job_server
-    while True:
+    while not server.reachable():
         code = proc.poll()
         if code is not None:
             raise HeadError(
                 f"`ray start --head` exited with code {code} before the job server came up:\n{_tail(log_path)}"
             )
-        if server.reachable():
-            return info
         if time.monotonic() > deadline:
-            stop_head(directory, timeout_s=60)
             raise HeadError(
                 f"the job server at {info.dashboard_url} did not answer within {timeout_s:.0f}s (head stopped); "
                 f"raise --timeout on a slow machine. Last lines of {log_path}:\n{_tail(log_path)}"
@@ -299,7 +319,7 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
     if info is None:
         return f"no head recorded in {directory}; nothing to stop"
     if not signal_head(info, signal.SIGTERM):
-        (directory / "head.json").unlink(missing_ok=True)
+        _forget(directory, info)
         return f"the head recorded in {directory} (pid {info.pid}) is not running; record removed"
     deadline = time.monotonic() + timeout_s
     while head_running(info):
@@ -307,11 +327,17 @@ def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
             # Ray's fate sharing stops the node's processes when their supervisor dies.
             signal_head(info, signal.SIGKILL)
             time.sleep(1.0)
-            (directory / "head.json").unlink(missing_ok=True)
+            _forget(directory, info)
             return f"the head (pid {info.pid}) did not stop within {timeout_s:.0f}s of SIGTERM; killed it"
         time.sleep(0.2)
-    (directory / "head.json").unlink(missing_ok=True)
+    _forget(directory, info)
     return f"stopped the head (pid {info.pid}, {info.dashboard_url})"
+
+
+def _forget(directory: Path, info: HeadInfo) -> None:
+    """Remove a stopped head's record and its token (read_info checked it lies in ``directory``)."""
+    (directory / "head.json").unlink(missing_ok=True)
+    Path(info.token_path).unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

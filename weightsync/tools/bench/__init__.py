@@ -38,7 +38,13 @@ import argparse
 import os
 
 from weightsync.tools.bench.driver import Bench
-from weightsync.tools.cli_types import comma_list, positive_int, positive_int_list, positive_int_list_or_none
+from weightsync.tools.cli_types import (
+    comma_list,
+    positive_int,
+    positive_int_list,
+    positive_int_list_or_none,
+    positive_seconds,
+)
 from weightsync.tools.models import SIZES
 
 #: The case groups ``--transports`` selects.
@@ -89,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any sync or Ray call may take")
+    parser.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds any sync or Ray call may take")
     parser.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     parser.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"

@@ -17,7 +17,7 @@ from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.engine_tp import engine_tp_cases
-from weightsync.tools.bench.report import MIB, Case, header, ratios, show, write_json
+from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
 
@@ -74,6 +74,8 @@ class Bench:
         cuda = args.device == "cuda"
         if args.plot:
             check_plot_path(args.plot)
+        if args.json:
+            check_json_path(args.json)
         connect(args.address, num_cpus=args.num_cpus)
         opts: dict[str, Any] = {"num_cpus": 0}
         if cuda:
@@ -157,7 +159,7 @@ class Bench:
             try:
                 built = ws.setup()
             except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-                print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
+                print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
                 return
 
             note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""

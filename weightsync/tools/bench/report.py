@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from weightsync.core.wire.errors import SettingsError
 
 MIB = 1024 * 1024
 
@@ -153,6 +156,13 @@ def header() -> None:
         f"  {'trainMB':>8} {'workMB':>8}",
         flush=True,
     )
+
+
+def check_json_path(path: str) -> None:
+    """Refuse, before anything is measured, a results file that could not be written at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SettingsError(f"--json {path}: folder {folder} does not exist; create it or pick another path")
 
 
 def write_json(path: str, args: argparse.Namespace, cases: list[Case], summary: list[str] | None = None) -> None:

@@ -132,7 +132,7 @@ def _one_case(
     try:
         built = ws.setup()
     except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-        print(f"{size:>6} {name:<34} skipped: {exc}".splitlines()[0], flush=True)
+        print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
         return
     case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, 2, limit_s=limit)
 
