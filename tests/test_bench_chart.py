@@ -3,6 +3,7 @@ each case's limit, and a path that cannot be written is refused before anything 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -89,3 +90,23 @@ def test_a_results_file_that_cannot_be_written_is_refused_before_ray_starts(
 def test_the_bench_takes_a_plot_path() -> None:
     args = build_parser().parse_args(["bench", "--sizes", "1mb", "--plot", "bench.svg"])
     assert args.plot == "bench.svg"
+
+
+def test_a_case_weightsync_refuses_is_skipped_and_any_other_setup_failure_fails_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from weightsync.core.wire import SetupError
+    from weightsync.core.wire.outcome import Outcome, Status
+    from weightsync.tools.bench.driver import Bench
+
+    bench = Bench(argparse.Namespace(timeout=5.0))
+    refusal = Outcome(party="w0", phase="setup", status=Status.FAILED, error="ManifestError", message="dtype")
+    bench.not_run("1mb", "direct", SetupError("w0 refused", {"w0": refusal}, ["w0"]))
+    frozen = Outcome(party="w1", phase="setup", status=Status.TIMED_OUT, error="", message="no answer")
+    bench.not_run("1mb", "ipc", SetupError("w1 timed out", {"w1": frozen}, ["w1"]))
+    bench.not_run("1mb", "broadcast", RuntimeError("gloo could not bind"))
+    lines = capsys.readouterr().out.splitlines()
+    assert "skipped: SetupError: w0 refused" in lines[0]
+    assert "FAILED: SetupError: w1 timed out" in lines[1]
+    assert "FAILED: RuntimeError: gloo could not bind" in lines[2]
+    assert bench.failed == ["1mb ipc", "1mb broadcast"]

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import weightsync.tools.bench.probes as probes
-from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.errors import SettingsError, SetupError, WeightSyncError
+from weightsync.core.wire.outcome import Status
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.engine_tp import engine_tp_cases
@@ -30,8 +31,24 @@ class Bench:
         self.args = args
         self.cases: list[Case] = []
         self.summary: list[str] = []
+        #: Cases whose setup failed for another reason than a refusal: the run's exit code says so.
+        self.failed: list[str] = []
         self.timeout = args.timeout
         self._version = 0
+
+    def not_run(self, size: str, name: str, exc: Exception) -> None:
+        """A case whose setup raised: skipped when weightsync refused the case (a setting or
+        a handshake it cannot run here), failed otherwise (a party died or did not answer,
+        or anything else raised); either way the other cases go on."""
+        refused = isinstance(exc, SettingsError) or (
+            isinstance(exc, SetupError)
+            and not exc.dead
+            and all(o.status is not Status.TIMED_OUT for o in exc.outcomes.values())
+        )
+        line = f"{size:>6} {name:<34} {'skipped' if refused else 'FAILED'}: {type(exc).__name__}: {exc}"
+        print(line.splitlines()[0], flush=True)
+        if not refused:
+            self.failed.append(f"{size} {name}")
 
     def next_version(self) -> int:
         """One counter for every case: the workers are shared and refuse an older version."""
@@ -109,6 +126,9 @@ class Bench:
             write_json(args.json, args, self.cases, self.summary)
         if args.plot:
             plot(self.cases, args.plot)
+        if self.failed:
+            print(f"failed cases (their setup raised): {', '.join(self.failed)}", flush=True)
+            return 1
         return 0
 
     def size_cases(self, size: str, trainer: Any, workers: list[Any]) -> None:
@@ -158,8 +178,8 @@ class Bench:
             )
             try:
                 built = ws.setup()
-            except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-                print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+            except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
+                self.not_run(size, name, exc)
                 return
 
             note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""

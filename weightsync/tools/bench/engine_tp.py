@@ -149,8 +149,8 @@ def _one_case(
     ws = WeightSync(ranks, {"vllm": engine}, transport=transport, timeout_s=bench.timeout)
     try:
         built = ws.setup()
-    except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-        print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
+        bench.not_run(size, name, exc)
         return
     # The Llama's own bytes on the wire (about the size's; the limit is one copy of the size).
     case = Case(

@@ -63,6 +63,8 @@ class Timer(Protocol):
 
     def next_version(self) -> int: ...
 
+    def not_run(self, size: str, name: str, exc: Exception) -> None: ...
+
     def memory_base(self, parties: list[Any]) -> list[int]: ...
 
     def timed(
@@ -131,8 +133,8 @@ def _one_case(
     name = f"sharded {world} ranks: {transport}{recv}"
     try:
         built = ws.setup()
-    except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, not fatal
-        print(f"{size:>6} {name:<34} skipped: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
+        bench.not_run(size, name, exc)
         return
     case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, 2, limit_s=limit)
 
