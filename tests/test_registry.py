@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from tests import toy_transport as toy
 from tests.conftest import RAY_TIMEOUT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
-from weightsync import SettingsError, Status, SyncError, TrainerActor, WeightSync, WorkerActor
+from weightsync import SettingsError, Status, SyncError, TrainerActor, WeightSync, WeightSyncError, WorkerActor
 from weightsync.core import registry
 from weightsync.core.choice import choose_transport, requests
 from weightsync.core.policy import judge
@@ -54,6 +55,21 @@ def test_a_registered_transport_can_be_requested_but_auto_never_picks_it(pickled
     assert choose_transport(info(), info(node="n2"), "auto", "w") == "broadcast"  # no auto_rank: only on request
     with pytest.raises(SettingsError, match="already registered"):
         registry.register(toy.PICKLED)
+
+
+def test_colocated_transports_need_the_two_in_one_pid_namespace() -> None:
+    """ipc and direct watch their peer by pid: across pid namespaces auto takes broadcast,
+    and asking for them is refused naming the worker and both namespaces."""
+    here, apart = replace(info(), pidns=11), replace(info(), pidns=22)
+    assert choose_transport(here, replace(info(), pidns=11), "auto", "w") == "direct"
+    assert choose_transport(here, apart, "auto", "w") == "broadcast"
+    for kind in ("ipc", "direct"):
+        with pytest.raises(SettingsError, match="pid namespace") as err:
+            choose_transport(here, apart, kind, "w")
+        assert "pid namespace 11" in str(err.value) and "w (pid namespace 22)" in str(err.value), err.value
+    assert choose_transport(info(), apart, "auto", "w") == "direct"  # a namespace not reported (0) is not judged
+    with pytest.raises(WeightSyncError, match="pidns"):
+        replace(info(), pidns=-1)
 
 
 def test_unknown_names_and_bad_plugins_are_refused_naming_them() -> None:

@@ -12,6 +12,7 @@ import socket
 import torch
 
 from weightsync.core.wire.messages import EndpointInfo
+from weightsync.core.wire.shm_names import pid_namespace
 from weightsync.core.wire.sizing import free_memory_bytes
 
 
@@ -34,14 +35,21 @@ def where(info: EndpointInfo) -> str:
 def colocated_or_why(
     trainer: EndpointInfo, worker: EndpointInfo, name: str, transport: str, instead: str = "broadcast"
 ) -> str | None:
-    """None when ``worker`` shares the trainer's device; else why ``transport`` cannot serve
-    it, suggesting ``instead``."""
-    if same_device(trainer, worker):
-        return None
-    return (
-        f"transport {transport!r} needs the worker on the trainer's device (trainer: {where(trainer)}; "
-        f"{name}: {where(worker)}); use transport={instead!r} for it"
-    )
+    """None when ``worker`` shares the trainer's device and pid namespace; else why
+    ``transport`` cannot serve it, suggesting ``instead``."""
+    if not same_device(trainer, worker):
+        return (
+            f"transport {transport!r} needs the worker on the trainer's device (trainer: {where(trainer)}; "
+            f"{name}: {where(worker)}); use transport={instead!r} for it"
+        )
+    if trainer.pidns and worker.pidns and trainer.pidns != worker.pidns:
+        return (
+            f"transport {transport!r} watches its peer's process by pid, and the trainer (pid namespace "
+            f"{trainer.pidns}) and {name} (pid namespace {worker.pidns}) do not share one, so neither could tell "
+            f"whether the other is alive; run both in one pid namespace (one container, or --pid=host) or use "
+            f"transport={instead!r} for it"
+        )
+    return None
 
 
 def describe_here(
@@ -63,6 +71,7 @@ def describe_here(
         gpu_uuid=uuid,
         sink_allows_direct=allows_direct,
         free_bytes=free_memory_bytes(device),
+        pidns=pid_namespace(),
     )
 
 

@@ -52,6 +52,9 @@ class EndpointInfo:
     #: an engine's ``stage_updates``): fed part by part, its parts then commit together, in a
     #: call chained on the whole worker's receive, so a failing part leaves no part loaded.
     stages: bool = False
+    #: The inode of the endpoint's pid namespace (``/proc/self/ns/pid``; 0 where unknown).
+    #: Colocated transports watch their peer by pid, which means nothing across namespaces.
+    pidns: int = 0
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda"), f"endpoint device must be 'cpu' or 'cuda', got {self.device!r}")
@@ -70,6 +73,9 @@ class EndpointInfo:
             f"endpoint free_bytes must be None or a non-negative int, got {self.free_bytes!r}",
         )
         _require(_is_int(self.pid) and self.pid > 0, f"endpoint pid must be a positive int, got {self.pid!r}")
+        _require(
+            _is_int(self.pidns) and self.pidns >= 0, f"endpoint pidns must be a non-negative int, got {self.pidns!r}"
+        )
         _require(self.device != "cuda" or bool(self.gpu_uuid), "a CUDA endpoint must report its GPU's UUID")
 
 
