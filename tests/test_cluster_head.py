@@ -90,9 +90,13 @@ def test_head_is_on_loopback_and_refuses_requests_without_its_token(head: HeadIn
 
 
 def test_demo_submitted_as_a_job_succeeds_and_every_worker_is_bit_exact(head: HeadInfo) -> None:
+    """The job's runtime env sets PYTHONPATH of its own, which Ray would refuse to merge with
+    one the demo's ray.init passed too: the demo joins with the job's alone."""
     steps = 2
+    own_env = json.dumps({"env_vars": {"PYTHONPATH": ".", "WEIGHTSYNC_JOB_MARK": "1"}})
     proc = run(
         PY, "-m", "weightsync", "cluster", "submit", "--dir", head.directory, "--timeout", "360",
+        "--runtime-env-json", own_env,
         "--", "python", "-m", "weightsync", "demo", "--size", "1mb", "--steps", str(steps), "--workers", "2",
         env=clean_env(),
     )  # fmt: skip

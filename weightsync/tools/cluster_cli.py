@@ -51,7 +51,7 @@ def job_runtime_env(working_dir: str, extra_json: str | None = None) -> dict[str
     """The job's runtime env: ``working_dir`` uploaded without :data:`UPLOAD_EXCLUDES`, then
     ``--runtime-env-json`` merged over it (its ``excludes``, if any, replace these)."""
     runtime_env: dict[str, Any] = {"working_dir": working_dir, "excludes": list(UPLOAD_EXCLUDES)}
-    runtime_env.update(json_object(extra_json) if extra_json else {})
+    runtime_env.update(json.loads(extra_json) if extra_json else {})
     return runtime_env
 
 
@@ -63,20 +63,15 @@ def _job_server_url(value: str) -> str:
     return value
 
 
-def _checked_json(value: str) -> str:
-    json_object(value)
-    return value
-
-
-def json_object(value: str) -> dict[str, Any]:
-    """A JSON object (``--runtime-env-json``); anything else is refused, saying what it was."""
+def _json_object(value: str) -> str:
+    """``--runtime-env-json``: the text of a JSON object; anything else is refused, saying what it was."""
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {value!r}") from None
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {type(parsed).__name__}: {value!r}")
-    return parsed
+    return value
 
 
 def _running_head(directory: Path) -> HeadInfo:
@@ -132,9 +127,11 @@ def _submit(args: argparse.Namespace) -> int:
     if args.address:
         if not args.token_file:
             raise HeadError("--address needs --token-file (the head's token; on a head you started: its auth_token)")
-        server = JobServer(args.address, read_token(Path(args.token_file)))
+        token_path = args.token_file
+        server = JobServer(args.address, read_token(Path(token_path)))
     else:
-        server = _running_head(args.dir).job_server
+        head = _running_head(args.dir)
+        token_path, server = head.token_path, head.job_server
     job_id = server.submit(shlex.join(entrypoint), job_runtime_env(args.working_dir, args.runtime_env_json))
     print(f"submitted job {job_id} to {server.url}", flush=True)
     if args.no_wait:
@@ -144,7 +141,7 @@ def _submit(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(
             f"\njob {job_id} goes on running on {server.url}; to stop it: RAY_AUTH_MODE=token "
-            f"RAY_AUTH_TOKEN_PATH=<the head's token file> .venv/bin/ray job stop --address {server.url} {job_id}",
+            f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(token_path))} .venv/bin/ray job stop --address {server.url} {job_id}",
             file=sys.stderr,
         )
         raise
@@ -194,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     submit.add_argument(
         "--runtime-env-json",
-        type=_checked_json,
+        type=_json_object,
         help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)',
     )
     submit.add_argument("--timeout", type=positive_seconds, default=900.0, help="stop the job after this many seconds")
