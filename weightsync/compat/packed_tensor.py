@@ -270,6 +270,7 @@ def packed_nccl_broadcast_producer(
     buffers: list[torch.Tensor | None] = [None] * num_buffers
     caller = streams.caller_stream()
     slot = 0
+    sent_on = device
     try:
         while True:
             streams.drain_slot(
@@ -280,7 +281,8 @@ def packed_nccl_broadcast_producer(
                 taken = _take(items, post_iter_func, buffer_size_bytes, 0)
                 if not taken.names:
                     if size_header:  # the end, so a consumer expecting more tensors says so
-                        packed_header.send(group, src, device, buffer_size_bytes, 0, 0)
+                        # on the chunks' device: post_iter_func may have moved them from the items'
+                        packed_header.send(group, src, sent_on, buffer_size_bytes, 0, 0)
                     break
                 total = sum(taken.sizes)
                 buffer = buffers[slot]
@@ -288,8 +290,9 @@ def packed_nccl_broadcast_producer(
                     buffer = torch.empty(total, dtype=torch.uint8, device=taken.tensors[0].device)
                     buffers[slot] = buffer
                 _pack_into(buffer, 0, taken.tensors, streams.stream(slot) if streams.is_cuda else None)
+                sent_on = buffer.device
                 if size_header:
-                    packed_header.send(group, src, buffer.device, buffer_size_bytes, total, len(taken.names))
+                    packed_header.send(group, src, sent_on, buffer_size_bytes, total, len(taken.names))
                 del taken
                 group.broadcast(buffer[:total], src=src)
             slot = (slot + 1) % num_buffers

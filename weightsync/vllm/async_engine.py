@@ -210,7 +210,8 @@ class _AsyncVLLMWorker:
         raise EngineCallError(f"{self.name}: {self._broken}")
 
     async def _rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return list(await self._bounded(method, self._llm.collective_rpc(method, self.timeout_s, args)))
+        # No timeout for vLLM itself: _bounded's is the only one (see VLLMWorker._rpc for why).
+        return list(await self._bounded(method, self._llm.collective_rpc(method, None, args)))
 
     def _replies(self, raw: list[Any], what: str) -> list[Reply]:
         replies = [decode_reply(r, f"{self.name} (TP rank {i})", what) for i, r in enumerate(raw)]
@@ -294,8 +295,17 @@ class _AsyncVLLMWorker:
             ids.append(request_id)
             firsts.append(first)
         if wait_first:
-            # set at the first output, or when the request ends without one
-            await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), self.timeout_s)
+            try:
+                # set at the first output, or when the request ends without one
+                await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), self.timeout_s)
+            except asyncio.TimeoutError:
+                # The caller gets no ids to collect or cancel them by: they end here.
+                for request_id in ids:
+                    self._requests.pop(request_id).cancel()
+                raise EngineCallError(
+                    f"{self.name}: {len(ids)} request(s) had no first output within timeout_s={self.timeout_s:.0f}s "
+                    "(a sync holding generation that long?); they were cancelled"
+                ) from None
         return ids
 
     @staticmethod
@@ -324,7 +334,7 @@ class _AsyncVLLMWorker:
         async with self._lock:
             llm = await self._started()
             if isinstance(fn, str):
-                return list(await self._bounded(fn, llm.collective_rpc(fn, self.timeout_s, tuple(args), kwargs)))
+                return list(await self._bounded(fn, llm.collective_rpc(fn, None, tuple(args), kwargs)))
             payload = encode_call(Call(fn, tuple(args), dict(kwargs or {})))
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(await self._rpc("weightsync_call", (payload,)), label)]

@@ -151,14 +151,17 @@ class _VLLMWorker:
 
     # bounded RPC ------------------------------------------------------------------------
     def _rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """``llm.collective_rpc`` bounded by ``timeout_s``; a dead engine raises by name."""
+        """``llm.collective_rpc`` bounded by ``timeout_s``; a dead engine raises by name.
+
+        The bound is this actor's alone: vLLM is given no timeout of its own. Its timeout
+        would end the wait with a plain error while the TP ranks still run the call, and
+        their late replies, which carry no call id, would answer the next call. A call
+        past this bound instead leaves the engine unusable (``start a new VLLMWorker``)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._broken is not None:
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken}); start a new VLLMWorker")
-        future: concurrent.futures.Future[Any] = self._pool.submit(
-            self.llm.collective_rpc, method, self.timeout_s, args, kwargs
-        )
+        future: concurrent.futures.Future[Any] = self._pool.submit(self.llm.collective_rpc, method, None, args, kwargs)
         try:
             return list(future.result(timeout=self.timeout_s + 5.0))
         except concurrent.futures.TimeoutError:

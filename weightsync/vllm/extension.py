@@ -162,7 +162,14 @@ class WorkerExtension:
             reply = engine.take_reply()
             if engine.endpoint is not None and engine.endpoint.settles():
                 self._weightsync_session_open = False
-                worker.finish_weight_update()
+                try:
+                    worker.finish_weight_update()
+                except Exception:
+                    # vLLM ends its update session only once the backend's finish returned:
+                    # without a second finish (the reload bracket is closed by now, so the
+                    # backend's part is a no-op) every later start_weight_update is refused.
+                    worker.finish_weight_update()
+                    raise
             return reply
         except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
             self._weightsync_session_open = False

@@ -27,7 +27,7 @@ from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.core.sinks import LoadWeightsSink
 from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin
 from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
-from weightsync.vllm.relay import Finish, TpRelay
+from weightsync.vllm.relay import Finish, RelayLoadError, TpRelay
 
 
 class RankEndpoint(WorkerMixin):
@@ -189,7 +189,14 @@ class RankEndpoint(WorkerMixin):
 
         def body() -> None:
             assert self._relay is not None
-            finish = self._relay.follow(self._load_relayed)
+            try:
+                finish = self._relay.follow(self._load_relayed)
+            except RelayLoadError as exc:
+                # Rank 0's call has ended: close the reload as it did, but this rank does
+                # not hold what rank 0 holds, so its state is not mirrored.
+                if exc.finish.settle and settle:
+                    self.end_reload()
+                raise
             self.mirrored_state = finish.state
             receiver = getattr(self, "_ws_receiver", None)
             if receiver is not None and finish.state is not None:

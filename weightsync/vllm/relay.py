@@ -84,10 +84,20 @@ class TpRelay:
         self.group.broadcast_object(outcome, src=0)
 
     def follow(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> Finish:
-        """Receive and load rank 0's batches until its call ends; returns how it ended."""
+        """Receive and load rank 0's batches until its call ends; returns how it ended.
+
+        A batch this rank fails to load does not end the loop: rank 0 goes on sending (its
+        object broadcasts do not wait for the other ranks), so the rest of the call is
+        still received, and dropped, up to rank 0's Finish. Only then is the load's error
+        raised, as :class:`RelayLoadError` carrying that Finish: the next call starts in
+        step instead of reading this one's leftovers.
+        """
+        failure: Exception | None = None
         while True:
             message = self.group.broadcast_object(None, src=0)
             if isinstance(message, Finish):
+                if failure is not None:
+                    raise RelayLoadError(self.rank, message, failure) from failure
                 return message
             if not isinstance(message, BatchHeader):
                 raise WeightSyncError(f"TP relay on rank {self.rank}: unexpected message {type(message).__name__}")
@@ -96,7 +106,19 @@ class TpRelay:
                 tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
                 self.group.broadcast(tensor, src=0)
                 batch.append((name, tensor))
-            load(batch)
+            if failure is None:
+                try:
+                    load(batch)
+                except Exception as exc:  # noqa: BLE001 - raised once rank 0's call has ended
+                    failure = exc
+
+
+class RelayLoadError(WeightSyncError):
+    """A TP rank failed to load a relayed batch; ``finish`` is how rank 0's call ended."""
+
+    def __init__(self, rank: int, finish: Finish, cause: Exception) -> None:
+        super().__init__(f"TP rank {rank} failed to load a relayed batch: {type(cause).__name__}: {cause}")
+        self.finish = finish
 
 
 def tp_relay(device: torch.device) -> TpRelay:
