@@ -147,7 +147,9 @@ def run(
 
     from weightsync.vllm import AsyncVLLMWorker, VLLMWorker
 
-    path = str(write_checkpoint(Path(workdir or tempfile.mkdtemp(prefix="weightsync-vllm-")), **(size or {})))
+    # Without a workdir the checkpoint goes once the engine and the trainer that read it are gone.
+    scratch = tempfile.TemporaryDirectory(prefix="weightsync-vllm-")
+    path = str(write_checkpoint(Path(workdir or scratch.name), **(size or {})))
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp == 2 and not torch.cuda.is_available():
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vLLM's CPU build cannot pick cores on a 2-core host
@@ -210,6 +212,7 @@ def run(
         finally:
             ray.kill(engine)
             ray.kill(trainer)
+            scratch.cleanup()
     return texts
 
 

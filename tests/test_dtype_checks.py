@@ -104,3 +104,29 @@ def test_a_checkpoint_dtype_that_cannot_travel_is_named_with_its_file_and_tensor
     write_safetensors(tmp_path / "model-00002.safetensors", {"ok": ("F32", [2], 4), "packed": ("F4", [8], 1)})
     with pytest.raises(WeightSyncError, match="model-00002.safetensors.*'packed'.*F4.*expected_specs="):
         checkpoint_specs(tmp_path, torch.bfloat16)
+
+
+def test_a_hub_model_id_is_read_from_the_local_cache_at_its_revision(tmp_path: Path) -> None:
+    """vLLM keeps a hub id as the engine's ``model``; its files are in the Hugging Face cache."""
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    for commit, rows in (
+        ("1111111111111111111111111111111111111111", 4),
+        ("2222222222222222222222222222222222222222", 8),
+    ):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        write_safetensors(snapshot / "model.safetensors", {"embed.weight": ("BF16", [rows, 2], 2)})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("2222222222222222222222222222222222222222")
+    cache = str(tmp_path / "hub")
+
+    def rows(revision: str | None) -> int:
+        (spec,) = checkpoint_specs("acme/tiny", torch.bfloat16, revision, cache)
+        return spec.shape[0]
+
+    assert rows(None) == 8  # main
+    assert rows("1111111111111111111111111111111111111111") == 4
+    with pytest.raises(WeightSyncError, match="acme/other.*local cache.*expected_specs="):
+        checkpoint_specs("acme/other", torch.bfloat16, None, cache)
+    with pytest.raises(WeightSyncError, match="no-such-folder.*neither a folder"):
+        checkpoint_specs(str(tmp_path / "no-such-folder"), torch.bfloat16, None, cache)

@@ -68,8 +68,12 @@ class _StartedLLM:
     def __init__(self, model: str, **_: object) -> None:
         self.folder = os.environ[ENV_VAR]  # where this engine's sockets would go
         core = _EngineCore()
-        config = type("ModelConfig", (), {"dtype": torch.bfloat16, "model": model})()
-        self.llm_engine = type("LLMEngine", (), {"model_config": config, "engine_core": core})()
+        config = type("ModelConfig", (), {"dtype": torch.bfloat16, "model": model, "revision": None})()
+        load = type("LoadConfig", (), {"download_dir": None})()
+        vllm_config = type("VllmConfig", (), {"model_config": config, "load_config": load})()
+        self.llm_engine = type(
+            "LLMEngine", (), {"model_config": config, "vllm_config": vllm_config, "engine_core": core}
+        )()
         _StartedLLM.instances.append(self)
 
 

@@ -188,7 +188,7 @@ def test_the_engines_sockets_live_in_a_private_folder(engine: Any) -> None:
     folders = socket_folders(processes[1:])
     assert len(folders) == 1, f"the engine's processes disagree on {SOCKETS_ENV}: {folders}"
     (folder,) = folders
-    assert os.path.basename(folder).startswith("weightsync-vllm-"), folder
+    assert os.path.basename(folder).startswith("weightsync-vllm-rpc-"), folder
     assert os.path.dirname(folder) == tempfile.gettempdir(), folder
     sockets = [e.name for e in os.scandir(folder) if stat.S_ISSOCK(e.stat().st_mode)]
     assert sockets, f"no vLLM sockets in {folder}: {os.listdir(folder)}"

@@ -52,7 +52,7 @@ from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.glue.actors import WORKER_PROTOCOL
 from weightsync.vllm.checkpoint import checkpoint_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
-from weightsync.vllm.engine import EXTENSION, EngineCallError
+from weightsync.vllm.engine import EXTENSION, EngineCallError, _checkpoint_of
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
@@ -156,7 +156,8 @@ class _AsyncVLLMWorker:
                 dtype = self._llm.model_config.dtype
                 if not isinstance(dtype, torch.dtype):
                     raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-                specs = tuple(checkpoint_specs(self._llm.model_config.model, dtype))
+                model, revision, download_dir = _checkpoint_of(self._llm)
+                specs = tuple(checkpoint_specs(model, dtype, revision, download_dir))
             setup = self._replies(
                 await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs, self._stage_updates)),)),
                 "setup",

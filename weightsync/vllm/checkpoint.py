@@ -18,10 +18,15 @@ import torch
 from weightsync import TensorSpec, WeightSyncError
 
 
-def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> list[TensorSpec]:
-    """One spec per tensor in ``model_dir``'s ``*.safetensors`` files; floating tensors take
-    ``dtype`` (the engine's, which is what the trainer must send)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+def checkpoint_specs(
+    model: str | Path, dtype: torch.dtype, revision: str | None = None, cache_dir: str | None = None
+) -> list[TensorSpec]:
+    """One spec per tensor in the ``*.safetensors`` files of ``model`` (the engine's
+    ``model``: a folder, or a Hugging Face hub id, read from the local cache at
+    ``revision`` where the engine's start put it); floating tensors take ``dtype`` (the
+    engine's, which is what the trainer must send)."""
+    model_dir = checkpoint_folder(model, revision, cache_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise WeightSyncError(
             f"{model_dir}: no *.safetensors files to read the expected tensors from; pass expected_specs= "
@@ -48,6 +53,25 @@ def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype) -> list[TensorSp
                 )
             specs.append(TensorSpec.of(name, torch.empty(entry["shape"], dtype=wire, device="meta")))
     return specs
+
+
+def checkpoint_folder(model: str | Path, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """``model`` when it is a folder; else the folder of the hub id ``model`` in the local
+    Hugging Face cache (nothing is downloaded: the engine fetched it as it started)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(model), revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError) as exc:
+        raise WeightSyncError(
+            f"{model}: neither a folder nor a Hugging Face model in the local cache ({type(exc).__name__}), so "
+            "there are no *.safetensors files to read the expected tensors from; pass expected_specs= or "
+            "check_model=False to VLLMWorker"
+        ) from exc
 
 
 #: Floating checkpoint dtypes, which the engine loads as its own dtype.

@@ -119,7 +119,8 @@ class _VLLMWorker:
                 dtype = self.llm.llm_engine.model_config.dtype
                 if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
                     raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-                expected_specs = checkpoint_specs(self.llm.llm_engine.model_config.model, dtype)
+                model, revision, download_dir = _checkpoint_of(self.llm.llm_engine)
+                expected_specs = checkpoint_specs(model, dtype, revision, download_dir)
             specs = tuple(expected_specs) if expected_specs is not None else None
             self._replies(
                 self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
@@ -324,6 +325,13 @@ class _VLLMWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _checkpoint_of(engine: Any) -> tuple[str, str | None, str | None]:
+    """Where an engine (``LLMEngine`` or ``AsyncLLM``) loaded its model from: (model,
+    revision, download dir), as :func:`~weightsync.vllm.checkpoint.checkpoint_specs` takes them."""
+    config = engine.vllm_config
+    return str(config.model_config.model), config.model_config.revision, config.load_config.download_dir
 
 
 #: ``VLLMWorker.remote(model=..., **LLM kwargs)``; typed Any as Ray's stubs do not follow

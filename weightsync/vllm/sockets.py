@@ -43,7 +43,7 @@ class SocketFolder:
         preset = os.environ.get(ENV_VAR)
         if preset:
             return cls(preset, owned=False)
-        folder = cls(tempfile.mkdtemp(prefix="weightsync-vllm-"), owned=True)
+        folder = cls(tempfile.mkdtemp(prefix="weightsync-vllm-rpc-"), owned=True)
         os.environ[ENV_VAR] = folder.path
         atexit.register(folder.release)
         return folder
