@@ -11,12 +11,14 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -211,12 +213,33 @@ def decoy(head_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(timeout=30)
 
 
-def test_stop_leaves_a_process_that_reuses_the_heads_pid_alone(head_dir: Path, decoy: subprocess.Popen[bytes]) -> None:
+@pytest.fixture
+def signals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every signal sent through os.kill or a pidfd from here on, as (how, signal); still sent."""
+    sent: list[tuple[str, int]] = []
+    kill, pidfd_send = os.kill, signal.pidfd_send_signal
+
+    def by_pid(pid: int, signum: int) -> None:
+        sent.append((f"pid {pid}", signum))
+        kill(pid, signum)
+
+    def by_pidfd(pidfd: int, signum: int, *rest: Any) -> None:
+        sent.append(("pidfd", signum))
+        pidfd_send(pidfd, signum, *rest)
+
+    monkeypatch.setattr(os, "kill", by_pid)
+    monkeypatch.setattr(signal, "pidfd_send_signal", by_pidfd)
+    return sent
+
+
+def test_stop_leaves_a_process_that_reuses_the_heads_pid_alone(
+    head_dir: Path, decoy: subprocess.Popen[bytes], signals: list[tuple[str, int]]
+) -> None:
     started = process_start_time(decoy.pid)
     assert started is not None
     record(head_dir, pid=decoy.pid, start_time=started + 1)  # the head died, its pid was reused
     assert "is not running; record removed" in stop_head(head_dir, timeout_s=5)
-    assert decoy.poll() is None, "stop signalled a process that is not the recorded head"
+    assert signals == [], f"stop signalled a process that is not the recorded head: {signals}"
     assert read_info(head_dir) is None
 
 
@@ -298,7 +321,11 @@ def _process(pid: int) -> psutil.Process | None:
 
 @pytest.mark.parametrize("reused", [False, True], ids=["the-head", "pid-reused"])
 def test_stop_works_on_a_kernel_without_pidfds(
-    head_dir: Path, decoy: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch, reused: bool
+    head_dir: Path,
+    decoy: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    reused: bool,
+    signals: list[tuple[str, int]],
 ) -> None:
     def no_pidfds(pid: int, flags: int = 0) -> int:
         raise OSError(errno.ENOSYS, "Function not implemented")
@@ -309,6 +336,6 @@ def test_stop_works_on_a_kernel_without_pidfds(
     record(head_dir, pid=decoy.pid, start_time=started + 1 if reused else started)
     said = stop_head(head_dir, timeout_s=30)
     if reused:
-        assert "is not running" in said and decoy.poll() is None
+        assert "is not running" in said and signals == [], signals
     else:
         assert said.startswith("stopped the head") and decoy.wait(timeout=30) == -15

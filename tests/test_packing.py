@@ -55,7 +55,8 @@ def test_odd_sized_fp16_followed_by_fp32_unpacks_at_aligned_offsets() -> None:
     offsets = [p.buffer_offset for p in m.chunks[0].pieces]
     assert offsets == [0, 256]
     out = roundtrip(tensors, 4096, use_destinations=False)
-    assert_bit_equal(out["single"], tensors["single"])
+    for name, tensor in tensors.items():
+        assert_bit_equal(out[name], tensor, name)
 
 
 @pytest.mark.parametrize(

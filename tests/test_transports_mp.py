@@ -193,13 +193,11 @@ def test_gloo_timeout_names_the_rank_and_what_to_raise() -> None:
         model = Holder(seed=0)
         manifest = Manifest.build(WeightSender(model).specs(), 8192, 2)
         sender = BroadcastSender(comm, session_of(manifest, timeout_s=1.0), ["trainer", "idle"])
-        t0 = time.monotonic()
         sources = [t for _, t in WeightSender(model).named_tensors()]
-        with pytest.raises(TransferTimeout) as info:
+        with pytest.raises(TransferTimeout) as info:  # a hang instead is pytest-timeout's to end
             sender.send(Sources(sources, None), SyncCall(seq=0, version=1), time.monotonic() + 5.0)
         text = str(info.value)
         assert "rank 0" in text and "timeout_s" in text, text
-        assert time.monotonic() - t0 < 60  # bounded by the timeout, not a hang
     finally:
         queue.put("done")
         child.join(timeout=60)
