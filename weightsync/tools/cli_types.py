@@ -27,16 +27,21 @@ def positive_int(value: str) -> int:
     return number
 
 
-def mib(value: str) -> int:
-    """A size in MiB (fractions allowed), returned in bytes: finite, above 0, and a whole
-    number of the buffers' alignment (256 bytes), as buffer sizes must be."""
+def _finite_positive(value: str, expected: str) -> float:
+    """``value`` as a finite number above 0; ``expected`` says what it is (in the refusal)."""
     try:
         number = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
     if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError(f"must be a finite size above 0 MiB, got {value}")
-    nbytes = round(number * MIB)
+        raise argparse.ArgumentTypeError(f"expected {expected}, finite and above 0, got {value}")
+    return number
+
+
+def mib(value: str) -> int:
+    """A size in MiB (fractions allowed), returned in bytes: finite, above 0, and a whole
+    number of the buffers' alignment (256 bytes), as buffer sizes must be."""
+    nbytes = round(_finite_positive(value, "a size in MiB") * MIB)
     if nbytes == 0 or nbytes % DEFAULT_ALIGNMENT:
         raise argparse.ArgumentTypeError(
             f"{value} MiB is {nbytes} bytes, not a whole number of {DEFAULT_ALIGNMENT}-byte blocks "
@@ -47,13 +52,7 @@ def mib(value: str) -> int:
 
 def positive_seconds(value: str) -> float:
     """A finite number of seconds above 0."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {value}")
-    return number
+    return _finite_positive(value, "a number of seconds")
 
 
 def comma_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
