@@ -304,7 +304,7 @@ def test_a_start_interrupted_while_it_waits_stops_its_head(short_dir: Path, monk
 
     monkeypatch.setattr(JobServer, "reachable", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        start_head(directory, timeout_s=120)
+        start_head(directory, timeout_s=300)
     assert len(pids) > 1, "the head had started no processes"
     _, alive = psutil.wait_procs([p for p in map(_process, pids) if p is not None], timeout=60)
     running = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
