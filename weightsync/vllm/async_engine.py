@@ -46,13 +46,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.glue.actors import WORKER_PROTOCOL
-from weightsync.vllm.checkpoint import checkpoint_specs
+from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
-from weightsync.vllm.engine import EXTENSION, EngineCallError, _checkpoint_of
+from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
@@ -153,11 +152,7 @@ class _AsyncVLLMWorker:
         try:
             specs = self._specs
             if specs is None and self._check_model:
-                dtype = self._llm.model_config.dtype
-                if not isinstance(dtype, torch.dtype):
-                    raise WeightSyncError(f"{self.name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-                model, revision, download_dir = _checkpoint_of(self._llm)
-                specs = tuple(checkpoint_specs(model, dtype, revision, download_dir))
+                specs = tuple(engine_specs(self.name, self._llm.vllm_config))
             setup = self._replies(
                 await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs, self._stage_updates)),)),
                 "setup",

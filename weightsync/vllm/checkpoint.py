@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from weightsync import TensorSpec, WeightSyncError
+from weightsync.core.wire.dtypes import ALLOWED_DTYPES
 
 
 def checkpoint_specs(
@@ -55,6 +57,16 @@ def checkpoint_specs(
     return specs
 
 
+def engine_specs(name: str, vllm_config: Any) -> list[TensorSpec]:
+    """What the engine ``name`` expects, read from the checkpoint it started from
+    (``vllm_config``: a running engine's, where vLLM has resolved the model's dtype)."""
+    dtype = vllm_config.model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
+    model = vllm_config.model_config
+    return checkpoint_specs(str(model.model), dtype, model.revision, vllm_config.load_config.download_dir)
+
+
 def checkpoint_folder(model: str | Path, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """``model`` when it is a folder; else the folder of the hub id ``model`` in the local
     Hugging Face cache (nothing is downloaded: the engine fetched it as it started)."""
@@ -80,8 +92,8 @@ _CAST_TO_ENGINE = ("F64", "F32", "F16", "BF16")
 #: Checkpoint dtypes the engine keeps as they are stored: integers, and the float8 and
 #: complex tensors of quantized checkpoints (their scales are ordinary floating tensors).
 _KEPT = {
-    name: getattr(torch, attr)
-    for name, attr in (
+    name: ALLOWED_DTYPES[wire]
+    for name, wire in (
         ("I64", "int64"),
         ("I32", "int32"),
         ("I16", "int16"),
@@ -96,5 +108,5 @@ _KEPT = {
         ("F8_E8M0", "float8_e8m0fnu"),
         ("C64", "complex64"),
     )
-    if isinstance(getattr(torch, attr, None), torch.dtype)
+    if wire in ALLOWED_DTYPES  # this torch's, on weightsync's allow-list
 }

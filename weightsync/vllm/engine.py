@@ -47,11 +47,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
-from weightsync.vllm.checkpoint import checkpoint_specs
+from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
@@ -116,11 +115,7 @@ class _VLLMWorker:
         try:
             self.llm = LLM(**llm_kwargs)
             if expected_specs is None and check_model:
-                dtype = self.llm.llm_engine.model_config.dtype
-                if not isinstance(dtype, torch.dtype):  # resolved by vLLM once the engine is up
-                    raise WeightSyncError(f"{name}: vLLM reports model dtype {dtype!r}, not a torch dtype")
-                model, revision, download_dir = _checkpoint_of(self.llm.llm_engine)
-                expected_specs = checkpoint_specs(model, dtype, revision, download_dir)
+                expected_specs = engine_specs(name, self.llm.llm_engine.vllm_config)
             specs = tuple(expected_specs) if expected_specs is not None else None
             self._replies(
                 self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
@@ -325,13 +320,6 @@ class _VLLMWorker:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _checkpoint_of(engine: Any) -> tuple[str, str | None, str | None]:
-    """Where an engine (``LLMEngine`` or ``AsyncLLM``) loaded its model from: (model,
-    revision, download dir), as :func:`~weightsync.vllm.checkpoint.checkpoint_specs` takes them."""
-    config = engine.vllm_config
-    return str(config.model_config.model), config.model_config.revision, config.load_config.download_dir
 
 
 #: ``VLLMWorker.remote(model=..., **LLM kwargs)``; typed Any as Ray's stubs do not follow
