@@ -90,9 +90,11 @@ def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyP
     """A policy with seeded random weights (workers built with another seed start different)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # on the device: fast at 16 GB
+    # Cast on the meta device, then materialize: the model's memory is allocated once, in
+    # its own dtype (a 16 GB bf16 model never passes through 32 GB of fp32).
     with torch.device("meta"):
-        model = TinyPolicy(cfg)
-    model = model.to_empty(device=device).to(getattr(torch, cfg.dtype))
+        model = TinyPolicy(cfg).to(getattr(torch, cfg.dtype))
+    model = model.to_empty(device=device)
     model.head.weight = model.embed.weight  # to_empty gives each module its own tensor
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -100,6 +102,8 @@ def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyP
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the fp32 draws above stay cached otherwise
     return model
 
 
