@@ -58,11 +58,11 @@ def settings_of(variant: str) -> Any:
 def rank_main(rank: int, world: int, port: int, args: Any, out: Any) -> None:
     from weightsync import WeightReceiver, WeightSender
     from weightsync.core.sinks import module_tensors
-    from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
-    from weightsync.core.transport.gloo import GlooCommunicator
     from weightsync.core.wire import SyncCall
     from weightsync.core.wire.sizing import BufferHints, free_memory_bytes
+    from weightsync.mechanisms.gloo import GlooCommunicator
     from weightsync.tools.models import PolicyFactory
+    from weightsync.transports.broadcast.halves import BroadcastReceiver, BroadcastSender
 
     torch.set_num_threads(1)  # as in a Ray actor of num_cpus=0
     model = PolicyFactory(args.size, rank)()

@@ -37,9 +37,9 @@ class Flat(nn.Module):
 
 def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: int, out: Any) -> None:
     from weightsync import WeightReceiver, WeightSender
-    from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
-    from weightsync.core.transport.gloo import GlooCommunicator
     from weightsync.core.wire import SyncCall, SyncSettings
+    from weightsync.mechanisms.gloo import GlooCommunicator
+    from weightsync.transports.broadcast.halves import BroadcastReceiver, BroadcastSender
 
     torch.set_num_threads(1)
     count = max(1, args.total_mib * 2**20 // size)

@@ -33,9 +33,9 @@ import torch.multiprocessing as mp
 from weightsync.core.packing import ChunkUnpacker, pack_chunk, typed_view
 from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import module_tensors
-from weightsync.core.transport.batched_copy import BatchedCopier
-from weightsync.core.transport.cuda_ipc import CudaRegion, map_cuda_ipc
 from weightsync.core.wire import SyncSettings
+from weightsync.mechanisms.batched_copy import BatchedCopier
+from weightsync.mechanisms.cuda_ipc import CudaRegion, map_cuda_ipc
 from weightsync.tools.models import PolicyFactory
 
 

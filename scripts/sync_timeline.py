@@ -22,12 +22,14 @@ from typing import Any
 import ray
 
 from weightsync import WeightSync
-from weightsync.core import listener
 from weightsync.core.sender import WeightSender
-from weightsync.core.transport import batched_copy, direct, slot_copies, streams
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.mechanisms import batched_copy, streams
 from weightsync.tools.cluster import connect
 from weightsync.tools.models import PolicyFactory
+from weightsync.transports.direct import halves as direct
+from weightsync.transports.ipc import slot_copies
+from weightsync.transports.push import listener
 
 
 def _stamped(cls: Any, method: str, into: list[tuple[float, float]]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from weightsync.core.sinks import module_tensors
-from weightsync.core.transport.batched_copy import BatchedCopier
+from weightsync.mechanisms.batched_copy import BatchedCopier
 from weightsync.tools.models import PolicyFactory
 
 

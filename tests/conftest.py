@@ -101,8 +101,8 @@ def actors(ray_session: None) -> Iterator[ActorPool]:
 def no_shm_leftovers() -> Iterator[None]:
     """Fails a test that leaves regions behind: only this session's (its scope), so
     another process's regions on the same host never fail it."""
-    from weightsync.core.transport.shm import leftover_segments
     from weightsync.core.wire.shm_names import current_scope
+    from weightsync.mechanisms.shm import leftover_segments
 
     before = set(leftover_segments(scope=current_scope()))
     yield

@@ -176,7 +176,7 @@ def gloo_world(rank: int, world: int, rdzv: str, scenarios: list[Scenario], queu
     try:
         import warnings
 
-        from weightsync.core.transport.gloo import GlooCommunicator, open_store
+        from weightsync.mechanisms.gloo import GlooCommunicator, open_store
         from weightsync.packed_tensor import CommunicatorGroup, GlooGroup
 
         warnings.simplefilter("ignore", UserWarning)  # the oversize tensor's warning, tested elsewhere
@@ -232,7 +232,7 @@ def iter_model(seed: int, device: str) -> Iterator[tuple[str, torch.Tensor]]:
 def cuda_ipc_consumer(seeds: list[int], chunks_in: Any, acks: Any) -> None:
     """Consumes CUDA packed IPC chunks on its own index of the producer's GPU, one ack per chunk."""
     try:
-        from weightsync.core.transport.cuda_ipc import local_index_of
+        from weightsync.mechanisms.cuda_ipc import local_index_of
         from weightsync.packed_tensor import PackedBufferImporter, packed_ipc_consumer
 
         importer = PackedBufferImporter()
@@ -265,8 +265,8 @@ def cuda_ipc_consumer(seeds: list[int], chunks_in: Any, acks: Any) -> None:
 def nccl_rank_alone(world: int, timeout_s: float, queue: Any) -> None:
     """Rank 0 of an NCCL world whose other ranks never join; reports how creation ended."""
     try:
-        from weightsync.core.transport.nccl import NcclCommunicator, make_unique_id
         from weightsync.core.wire import TransferTimeout
+        from weightsync.mechanisms.nccl import NcclCommunicator, make_unique_id
 
         try:
             NcclCommunicator(make_unique_id(), 0, world, torch.device("cuda", 0), timeout_s)

@@ -18,10 +18,10 @@ from tests.helpers import act, random_tensor
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core.packing import ChunkUnpacker
 from weightsync.core.sinks import LoadWeightsSink
-from weightsync.core.transport.broadcast import BroadcastReceiver
-from weightsync.core.transport.gloo import GlooCommunicator
-from weightsync.core.transport.ipc import IpcReceiver
 from weightsync.core.wire import Manifest, SyncCall
+from weightsync.mechanisms.gloo import GlooCommunicator
+from weightsync.transports.broadcast.halves import BroadcastReceiver
+from weightsync.transports.ipc.halves import IpcReceiver
 
 LAYOUT = [
     ("embed", (300, 40), torch.bfloat16),  # 24000 bytes: split across 8 KiB buffers

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import random_tensor
-from weightsync.core.transport.batched_copy import BatchedCopier, plan_key
+from weightsync.mechanisms.batched_copy import BatchedCopier, plan_key
 
 
 def _copier(threads: int = 256, unit_vectors: int = 1024) -> BatchedCopier:

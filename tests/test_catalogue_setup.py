@@ -248,7 +248,7 @@ def test_item8_fault_corrupted_worker_weights_verify_names_the_first_differing_t
 
 # --- 9. a shared-memory region orphaned by a killed process ------------------------------
 
-_SHM = "import os, signal, sys; from weightsync.core.transport.shm import ShmRegion; "
+_SHM = "import os, signal, sys; from weightsync.mechanisms.shm import ShmRegion; "
 CREATE_AND_DIE = _SHM + "r = ShmRegion(1 << 20); print(r.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
 CREATE_AND_WAIT = _SHM + "r = ShmRegion(4096); print(r.path, flush=True); sys.stdin.readline(); r.close()"
 CREATE_AND_CLOSE = _SHM + "r = ShmRegion(4096); r.close()"

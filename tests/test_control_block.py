@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from weightsync.core.transport import control as control_module
-from weightsync.core.transport.control import TRAINER, ControlBlock, worker_code
-from weightsync.core.transport.shm import map_shm
-from weightsync.core.transport.streams import precise_sleeps
 from weightsync.core.wire import PeerAborted, TransferTimeout, WeightSyncError
+from weightsync.mechanisms import control as control_module
+from weightsync.mechanisms.control import TRAINER, ControlBlock, worker_code
+from weightsync.mechanisms.shm import map_shm
+from weightsync.mechanisms.streams import precise_sleeps
 
 NAMES = ["trainer", "w0", "w1"]
 

@@ -41,7 +41,7 @@ class GpuTrainer(TrainerHost):
         return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
 
     def stream_cache(self) -> int:
-        from weightsync.core.transport.streams import _cuda_streams
+        from weightsync.mechanisms.streams import _cuda_streams
 
         return _cuda_streams.cache_info().currsize
 
@@ -128,8 +128,8 @@ def test_importer_maps_once_and_releases_once(actors: Any) -> None:
 
 
 def test_handle_for_another_gpu_is_refused_with_a_clear_error() -> None:
-    from weightsync.core.transport.cuda_ipc import map_cuda_ipc
     from weightsync.core.wire import CudaIpcHandle, DeviceMismatch
+    from weightsync.mechanisms.cuda_ipc import map_cuda_ipc
 
     handle = CudaIpcHandle(
         gpu_uuid="GPU-00000000-0000-0000-0000-000000000000", rebuild_args=tuple(range(15)), nbytes=1024, session="s"

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from weightsync.core.listener import Listener
-from weightsync.core.transport.doorbell import Doorbell, ring
 from weightsync.core.wire import ReceiveResult, SyncCall, TransferTimeout
+from weightsync.mechanisms.doorbell import Doorbell, ring
+from weightsync.transports.push.listener import Listener
 
 HANG_BOUND_S = 60.0  # only bounds a hang; a working call returns at once
 

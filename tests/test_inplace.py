@@ -23,11 +23,11 @@ from weightsync.core import registry
 from weightsync.core.local import open_local
 from weightsync.core.packing import tensor_checksums
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
-from weightsync.core.transport.broadcast import BroadcastReceiver, BroadcastSender
-from weightsync.core.transport.gloo import GlooCommunicator, open_store
 from weightsync.core.wire import ChecksumMismatch, Manifest, ManifestError, SettingsError, SyncCall, SyncSettings
 from weightsync.core.wire.outcome import ok
 from weightsync.core.wire.sizing import BufferHints, resolve_buffer_bytes
+from weightsync.mechanisms.gloo import GlooCommunicator, open_store
+from weightsync.transports.broadcast.halves import BroadcastReceiver, BroadcastSender
 
 #: name, shape, dtype: bytes >= THRESHOLD go in place, the rest are packed (some split).
 LAYOUT = [
@@ -253,7 +253,7 @@ def test_more_in_place_operations_in_flight_than_buffers_with_temporaries_stay_b
 
 def test_verify_catches_a_corrupted_in_place_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of an in-place tensor after it landed: the chunk checksums must differ."""
-    from weightsync.core.transport import broadcast
+    from weightsync.transports.broadcast import halves as broadcast
 
     model = Model(0)
     sender = WeightSender(model)
@@ -415,7 +415,7 @@ def test_nccl_in_place_and_packed_broadcast_on_cuda_streams_over_a_world_of_one(
     """The broadcast halves on CUDA tensors over a real one-rank NCCL group: in-place
     operations come from the trainer's own storage and land in the worker's own parameters
     (or, for a load_weights sink, in the scratch buffer), checksums agree, bit-exact."""
-    from weightsync.core.transport.nccl import NcclCommunicator, make_unique_id
+    from weightsync.mechanisms.nccl import NcclCommunicator, make_unique_id
 
     device = torch.device("cuda", 0)
     nccl = NcclCommunicator(make_unique_id(), 0, 1, device, 60.0)

@@ -15,11 +15,11 @@ from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
 from weightsync.core.sinks import module_tensors
-from weightsync.core.transport.broadcast import BroadcastSender
-from weightsync.core.transport.ipc import IpcSender
 from weightsync.core.wire import Manifest, SettingsError, SyncCall, SyncSettings, TensorSpec
 from weightsync.core.wire.manifest import MAX_CHUNKS
 from weightsync.core.wire.session import Session
+from weightsync.transports.broadcast.halves import BroadcastSender
+from weightsync.transports.ipc.halves import IpcSender
 
 HUGE = 10**5
 

@@ -22,11 +22,12 @@ import pytest
 import torch.distributed as dist
 
 from tests.listeners import is_loopback, listening
-from weightsync.core.plugins.broadcast import open_broadcast
-from weightsync.core.transport.gloo import open_store
-from weightsync.core.transport.plugin import Request
+from weightsync.core.plugin import Request
 from weightsync.core.wire.errors import TransferError
-from weightsync.core.wire.messages import EndpointInfo, GroupSpec
+from weightsync.core.wire.messages import EndpointInfo
+from weightsync.mechanisms.gloo import open_store
+from weightsync.transports.broadcast.messages import GroupSpec
+from weightsync.transports.broadcast.plugin import open_broadcast
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +54,7 @@ def test_a_store_address_that_is_not_this_hosts_is_refused_by_name() -> None:
 
 
 class FakeOpening:
-    """An :class:`~weightsync.core.transport.plugin.Opening` that records the requests."""
+    """An :class:`~weightsync.core.plugin.Opening` that records the requests."""
 
     def __init__(self, nodes: Mapping[str, str]) -> None:
         self.nodes = dict(nodes)

@@ -19,16 +19,16 @@ from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
 from weightsync.core import registry
 from weightsync.core.local import open_local
-from weightsync.core.plugins.push import pusher_of
-from weightsync.core.pusher import Pusher
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sender import WeightSender
-from weightsync.core.transport.direct import _ANNOUNCED
 from weightsync.core.wire import SettingsError, SyncCall, SyncSettings, TensorSpec
 from weightsync.core.wire.errors import PeerAborted, SessionTornDown
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushResult
 from weightsync.glue.ranks import TrainerRanks
+from weightsync.transports.direct.halves import _ANNOUNCED
+from weightsync.transports.push.plugin import PUSH, pusher_of
+from weightsync.transports.push.pusher import Pusher
 
 
 def direct_pair(timeout_s: float = 60.0) -> tuple[WeightSender, WeightReceiver, Callable[[], None]]:
@@ -62,8 +62,8 @@ def test_a_teardown_during_a_push_answers_its_workers_torn_down_never_a_key_erro
     as timed out."""
     sender, receiver, unwritten = direct_pair()
     pusher = Pusher(sender.session, "direct")
-    pusher.attach([receiver.listen()])
-    receiver.seal_listen()
+    pusher.attach([PUSH.action("worker", "listen")(receiver)])
+    PUSH.action("worker", "seal")(receiver)
     sender.extras["pusher"] = pusher
     half = sender.halves["direct"]
     reached, torn = threading.Event(), threading.Event()
@@ -122,8 +122,8 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
     the sync, and nothing is written into the worker."""
     sender, receiver, unwritten = direct_pair()
     pusher = Pusher(sender.session, "direct")
-    pusher.attach([receiver.listen()])
-    receiver.seal_listen()
+    pusher.attach([PUSH.action("worker", "listen")(receiver)])
+    PUSH.action("worker", "seal")(receiver)
     control = receiver.active_half._ctl()  # type: ignore[union-attr]
     held = threading.Event()
     release = threading.Event()
@@ -310,7 +310,7 @@ class _Half:
 
 
 def test_an_abort_that_fails_neither_masks_the_cause_nor_skips_the_other_halves() -> None:
-    from weightsync.core.transport.base import abort_each
+    from weightsync.core.halves import abort_each
 
     halves = [_Half("ipc", True), _Half("direct", False)]
     cause = TimeoutError("worker-3 did not answer")
@@ -331,7 +331,7 @@ class _Interrupted(_Half):
 
 
 def test_an_interrupt_in_one_halfs_abort_lets_the_others_abort_then_propagates() -> None:
-    from weightsync.core.transport.base import abort_each
+    from weightsync.core.halves import abort_each
 
     halves = [_Interrupted("ipc", False), _Half("gloo", True), _Half("direct", False)]
     cause = TimeoutError("worker-3 did not answer")

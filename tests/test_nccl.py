@@ -30,8 +30,8 @@ from tests.packed_procs import (
     post_iter,
     sent,
 )
-from weightsync.core.transport.nccl import unique_id_as_bytes, unique_id_for_cupy
 from weightsync.core.wire import WeightSyncError
+from weightsync.mechanisms.nccl import unique_id_as_bytes, unique_id_for_cupy
 
 
 def test_the_unique_id_travels_as_bytes_and_converts_to_either_cupy_form() -> None:
@@ -88,7 +88,7 @@ class _FakeNccl:
 
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
-    import weightsync.core.transport.nccl as nccl_module
+    import weightsync.mechanisms.nccl as nccl_module
 
     def install(version: str, nccl: _FakeNccl) -> None:
         cupy = types.SimpleNamespace(
@@ -101,8 +101,8 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_creation_gives_up_at_its_deadline_and_a_late_join_is_aborted(fake_cupy: Any) -> None:
-    from weightsync.core.transport.nccl import NcclCommunicator
     from weightsync.core.wire import TransferTimeout
+    from weightsync.mechanisms.nccl import NcclCommunicator
 
     nccl = _FakeNccl()
     fake_cupy("14.0.1", nccl)
@@ -115,7 +115,7 @@ def test_creation_gives_up_at_its_deadline_and_a_late_join_is_aborted(fake_cupy:
 
 
 def test_creation_hands_back_the_communicator_or_the_init_error_by_rank(fake_cupy: Any) -> None:
-    from weightsync.core.transport.nccl import NcclCommunicator
+    from weightsync.mechanisms.nccl import NcclCommunicator
 
     nccl = _FakeNccl()
     nccl.join.set()
@@ -142,8 +142,8 @@ def _cuda() -> torch.device:
 
 @pytest.mark.cuda
 def test_a_world_of_one_rank_inits_broadcasts_on_a_torch_stream_aborts_and_closes() -> None:
-    from weightsync.core.transport.nccl import NcclCommunicator, make_unique_id
-    from weightsync.core.transport.streams import wait_for_stream
+    from weightsync.mechanisms.nccl import NcclCommunicator, make_unique_id
+    from weightsync.mechanisms.streams import wait_for_stream
 
     device = _cuda()
     unique_id = make_unique_id()
@@ -193,7 +193,7 @@ def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) 
     import warnings
 
     from weightsync import packed_tensor as pt
-    from weightsync.core.transport.nccl import NcclCommunicator, make_unique_id
+    from weightsync.mechanisms.nccl import NcclCommunicator, make_unique_id
 
     device = _cuda()
     nccl = pt.CommunicatorGroup(NcclCommunicator(make_unique_id(), 0, 1, device, 60.0), 60.0)
@@ -240,7 +240,7 @@ def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) 
 @pytest.mark.cuda
 def test_cuda_ipc_between_two_processes_maps_once_per_export_and_memory_stays_flat() -> None:
     from weightsync import packed_tensor as pt
-    from weightsync.core.transport.cuda_ipc import gpu_uuid
+    from weightsync.mechanisms.cuda_ipc import gpu_uuid
 
     device = _cuda()
     seeds = [200 + t for t in range(50)]

@@ -27,9 +27,9 @@ from tests.packed_procs import (
 )
 from weightsync import packed_tensor as pt
 from weightsync.compat import packed_ipc
-from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import DeviceMismatch, UnsupportedDtypeError
 from weightsync.core.wire.shm_names import current_scope
+from weightsync.mechanisms.shm import leftover_segments
 
 CTX = mp.get_context("spawn")
 

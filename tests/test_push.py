@@ -1,8 +1,8 @@
 """Push mode: direct workers listen, so a sync is one Ray call to the trainer, or none.
 
 The same checks, state machine and failures-as-data as a Ray-called direct sync, with the
-worker's side run by its listener thread (weightsync/core/listener.py) and the trainer's by
-weightsync/core/pusher.py.
+worker's side run by its listener thread (weightsync/transports/push/listener.py) and the trainer's by
+weightsync/transports/push/pusher.py.
 """
 
 from __future__ import annotations
@@ -166,12 +166,13 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     from tests.helpers import state_of
     from weightsync.core import registry
     from weightsync.core.local import open_local
-    from weightsync.core.pusher import Pusher
     from weightsync.core.receiver import WeightReceiver
     from weightsync.core.sender import WeightSender
-    from weightsync.core.transport.mailbox import ANSWERED
     from weightsync.core.wire import SyncSettings
     from weightsync.core.wire.messages import SyncCall
+    from weightsync.mechanisms.mailbox import ANSWERED
+    from weightsync.transports.push.plugin import PUSH
+    from weightsync.transports.push.pusher import Pusher
 
     trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
     sender = WeightSender(model=trainer_model)
@@ -180,8 +181,8 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     receiver.accept(manifest, timeout_s=1.0)
     open_local(registry.get("direct"), sender, {"reader": receiver})
     pusher = Pusher(sender.session, "direct")
-    pusher.attach([receiver.listen()])
-    receiver.seal_listen()
+    pusher.attach([PUSH.action("worker", "listen")(receiver)])
+    PUSH.action("worker", "seal")(receiver)
     before = {n: t.clone() for n, t in state_of(worker_model).items()}
     results: list[PushResult] = []
     try:

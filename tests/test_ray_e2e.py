@@ -15,9 +15,9 @@ import torch
 from tests.conftest import RAY_TIMEOUT, ROOT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
 from weightsync import LoadWeightsSink, TrainerActor, WeightSync, WorkerActor
-from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire.shm_names import current_scope
 from weightsync.glue.actors import TrainerHost, TrainerMixin, WorkerMixin
+from weightsync.mechanisms.shm import leftover_segments
 from weightsync.tools.models import PolicyFactory, train_step
 
 

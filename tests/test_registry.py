@@ -18,8 +18,8 @@ from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
 from weightsync import SettingsError, Status, SyncError, TrainerActor, WeightSync, WeightSyncError, WorkerActor
 from weightsync.core import registry
 from weightsync.core.choice import choose_transport, requests
+from weightsync.core.plugin import Transport
 from weightsync.core.policy import judge
-from weightsync.core.transport.plugin import Transport
 from weightsync.core.wire import EndpointInfo, Outcome, PeerAborted, TransferTimeout
 from weightsync.core.wire.outcome import failed
 

@@ -26,11 +26,9 @@ from weightsync import (
     WeightSync,
     WorkerActor,
 )
+from weightsync.core.halves import unpacker_for
 from weightsync.core.packing import ChunkUnpacker
 from weightsync.core.sinks import module_tensors
-from weightsync.core.transport.base import unpacker_for
-from weightsync.core.transport.ipc import IpcReceiver, IpcSender
-from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import (
     PROTOCOL_VERSION,
     ExportNotFound,
@@ -42,7 +40,9 @@ from weightsync.core.wire import (
 )
 from weightsync.core.wire.shm_names import current_scope
 from weightsync.glue.actors import WorkerHost
+from weightsync.mechanisms.shm import leftover_segments
 from weightsync.tools.bench.chunks import ChunkHandle, consume_chunk, pack_chunk
+from weightsync.transports.ipc.halves import IpcReceiver, IpcSender
 
 
 def trainer_of(actors: Any, factory: Any = None, **options: Any) -> Any:
@@ -464,7 +464,7 @@ def test_exports_from_a_closed_session_or_another_host_are_refused(no_shm_leftov
         act(late, "ipc", "attach", export, 0)
     path = "/dev/shm/weightsync-1-1-0-0123456789abcdef-slots"
     foreign = ShmHandle(path=path, nbytes=16, hostname="another-host", session="s")
-    from weightsync.core.transport.shm import map_shm
+    from weightsync.mechanisms.shm import map_shm
 
     with pytest.raises(ExportNotFound, match="lives on host 'another-host'"):
         map_shm(foreign)

@@ -17,14 +17,14 @@ import torch
 
 from tests.conftest import ROOT
 from weightsync.compat.packed_ipc import CPU_HANDLE_KEY, packed_ipc_consumer
-from weightsync.core.transport.regions import RegionImporter
-from weightsync.core.transport.shm import ShmRegion, leftover_segments, map_shm
 from weightsync.core.wire.errors import ForeignPath, SettingsError
 from weightsync.core.wire.messages import ShmHandle
 from weightsync.core.wire.shm_names import SCOPE_ENV, SHM_DIR, SegmentName, current_scope
+from weightsync.mechanisms.regions import RegionImporter
+from weightsync.mechanisms.shm import ShmRegion, leftover_segments, map_shm
 
 HOLD = (
-    "import sys; from weightsync.core.transport.shm import ShmRegion; "
+    "import sys; from weightsync.mechanisms.shm import ShmRegion; "
     "r = ShmRegion(4096); print(r.path, flush=True); sys.stdin.readline(); r.close()"
 )
 
@@ -142,7 +142,7 @@ def test_a_forged_direct_export_or_packed_handle_never_reads_or_writes_the_named
 # --- who sweeps what --------------------------------------------------------------------
 
 KILLED = (
-    "import os, signal; from weightsync.core.transport.shm import ShmRegion; "
+    "import os, signal; from weightsync.mechanisms.shm import ShmRegion; "
     "r = ShmRegion(1 << 16); print(r.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
 )
 
@@ -215,7 +215,7 @@ def test_a_failure_after_the_file_is_created_removes_it(
 def test_a_killed_process_not_yet_reaped_is_dead_to_the_liveness_check() -> None:
     """A killed Ray actor stays a zombie until the raylet reaps it; the peers watching its
     pid must see it dead then, not once it is reaped (or at their deadline)."""
-    from weightsync.core.transport.shm import pid_alive
+    from weightsync.mechanisms.shm import pid_alive
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

@@ -22,11 +22,11 @@ from weightsync.core import registry
 from weightsync.core.local import open_local
 from weightsync.core.packing import ChunkUnpacker, pack_chunk
 from weightsync.core.sinks import module_tensors
-from weightsync.core.transport.batched_copy import BatchedCopier, CopyPlan, PlanKey, batched_rows, plan_key
-from weightsync.core.transport.ipc import IpcReceiver, IpcSender
-from weightsync.core.transport.slot_copies import PackPlans, UnpackPlans
 from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TensorSpec
 from weightsync.core.wire.outcome import ok
+from weightsync.mechanisms.batched_copy import BatchedCopier, CopyPlan, PlanKey, batched_rows, plan_key
+from weightsync.transports.ipc.halves import IpcReceiver, IpcSender
+from weightsync.transports.ipc.slot_copies import PackPlans, UnpackPlans
 
 
 class HostCopier(BatchedCopier):

@@ -3,7 +3,6 @@ from outcomes, deadlines, and the layering rules (the control block: test_contro
 
 from __future__ import annotations
 
-import ast
 import math
 import pickle
 import subprocess
@@ -14,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import import_graph
 from tests.helpers import session_of
+from weightsync.core import registry
 from weightsync.core.choice import choose_transport
 from weightsync.core.packing import tensor_checksums
 from weightsync.core.wire import (
@@ -173,7 +174,7 @@ def test_importing_weightsync_loads_no_dtensor_yet_a_dtensor_is_told_once_one_ex
 import sys
 import torch
 import torch.distributed as dist
-import weightsync, weightsync.glue.actors, weightsync.core.sharded, weightsync.core.transport.owner_writes
+import weightsync, weightsync.glue.actors, weightsync.core.sharded, weightsync.transports.owner_writes.halves
 from weightsync.core.dtensors import is_dtensor
 loaded = [m for m in sys.modules if m.startswith("torch.distributed.tensor")]
 plain = torch.randn(4, 2)
@@ -192,45 +193,179 @@ dist.destroy_process_group()
     assert done.stdout.split() == ["[]", "False", "True", "False", "False"], done.stdout
 
 
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
+#: The layers, bottom up: a module belongs to the longest prefix that names it, and imports
+#: only from its own layer or those below (docs/architecture.md draws the same picture).
+LAYERS = {
+    "weightsync.core.wire": 0,
+    "weightsync.mechanisms": 1,
+    "weightsync.core": 2,
+    "weightsync.transports": 3,
+    "weightsync": 4,  # the package's face (__init__, packed_tensor): what users and vllm/ import
+    "weightsync.glue": 4,
+    "weightsync.compat": 4,
+    "weightsync.vllm": 5,
+    "weightsync.tools": 6,
+    "weightsync.__main__": 7,
+}
+#: Below glue/ nothing needs a cluster: no Ray there.
+RAY_FREE_BELOW = LAYERS["weightsync.glue"]
+#: The transports that build on another one's modules (its halves, setup steps, messages).
+BUILDS_ON = {"owners": {"broadcast"}, "owner_writes": {"direct"}, "rank_ipc": {"ipc"}}
 
 
-def test_the_core_imports_no_ray_and_no_module_imports_in_a_cycle() -> None:
-    """The rule follows the folder: every module under weightsync/core (a new one too) is
-    Ray-free, transports import no endpoint, and the library never imports its tools."""
-    graph = {}
-    endpoints = {f"weightsync.core.{m}" for m in ("sender", "receiver", "sharded", "listener", "pusher")}
-    for path in PACKAGE.rglob("*.py"):
-        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        imports = _imports(path)
-        graph[module] = {m for m in imports if m.startswith("weightsync")}
-        if module.startswith("weightsync.core"):
-            assert not {m for m in imports if m == "ray" or m.startswith("ray.")}, f"{module} imports Ray"
-        if module.startswith("weightsync.core.transport"):
-            assert not graph[module] & endpoints, f"{module} imports an endpoint"
-        if not module.startswith("weightsync.tools") and module != "weightsync.__main__":
-            tools = {m for m in graph[module] if m.startswith("weightsync.tools")}
-            assert not tools, f"{module} imports the tools ({sorted(tools)}); the library never imports its CLI"
+def layer(module: str) -> int:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
 
-    def reach(start: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [start]
-        while todo:
-            for nxt in graph.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
 
-    cycles = [m for m in graph if m in reach(m) and m != "weightsync"]
-    assert not cycles, f"import cycles through {cycles}"
+def transport_of(module: str) -> str | None:
+    """The built-in transport folder ``module`` lies in, if any."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "transports" else None
+
+
+def test_the_import_graph_resolves_submodules_and_sees_imports_inside_functions() -> None:
+    """The graph these rules read is the one Python follows: ``from pkg import module`` is an
+    edge to the module, and an import inside a function is an edge too."""
+    graph = import_graph.build()
+    assert "weightsync.core.registry" in graph.edges["weightsync.glue.round"]  # from weightsync.core import registry
+    assert "weightsync.mechanisms.nccl" in graph.edges["weightsync.transports.broadcast.plugin"]  # inside a function
+    assert "weightsync.core" not in graph.edges["weightsync.glue.round"]
+    looped = import_graph.Graph(edges={"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, external={})
+    assert looped.cycle() == ["a", "b", "c", "a"]
+
+
+def test_no_module_imports_in_a_cycle() -> None:
+    cycle = import_graph.build().cycle()
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_no_layer_imports_one_above_it_and_nothing_below_glue_imports_ray() -> None:
+    """core/ and the mechanisms (and the transports) import no Ray, the mechanisms no
+    transport and no endpoint, and the library never imports its CLI (tools/)."""
+    graph = import_graph.build()
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.edges.items()
+        for target in targets
+        if layer(target) > layer(module)
+    )
+    assert not upward, f"imports of a higher layer: {upward}"
+    ray = sorted(
+        m
+        for m, names in graph.external.items()
+        if {n.split(".")[0] for n in names} & {"ray"} and layer(m) < RAY_FREE_BELOW
+    )
+    assert not ray, f"{ray} import Ray; everything below glue/ runs without a cluster"
+
+
+def test_nothing_outside_a_transports_folder_names_it_and_each_folder_is_registered() -> None:
+    """Only ``transports/<name>/`` imports its modules (and the transports that declare they
+    build on it); the registry knows every folder, by dotted path, and nothing else."""
+    graph = import_graph.build()
+    strays = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.edges.items()
+        for target in targets
+        if (owner := transport_of(target)) is not None
+        and transport_of(module) != owner
+        and owner not in BUILDS_ON.get(transport_of(module) or "", set())
+    )
+    assert not strays, f"a built-in transport named outside its folder: {strays}"
+    folders = {p.name for p in (import_graph.PACKAGE / "transports").iterdir() if (p / "plugin.py").is_file()}
+    listed = {**registry.BUILTIN_TRANSPORTS, **registry.BUILTIN_MODES}
+    assert {path.split(".")[2] for path in listed.values()} == folders
+    assert all(
+        path.startswith("weightsync.transports.") and path.endswith(":" + path.split(":")[1])
+        for path in listed.values()
+    )
+
+
+def test_importing_weightsync_imports_no_transport_until_one_is_used() -> None:
+    code = """
+import sys
+import weightsync
+from weightsync.core import registry
+def loaded():
+    return sorted({m.split(".")[2] for m in sys.modules if m.startswith("weightsync.transports.")})
+before = loaded()
+names = registry.names()
+registry.get("ipc")
+print(before, loaded(), "broadcast" in names)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "['ipc']", "True"], done.stdout
+
+
+#: Run in one fresh interpreter: the third-party packages the library imports are loaded
+#: once, then every module is imported first, each in a process forked before any module
+#: of weightsync was loaded (so each sees the state a fresh interpreter gives it).
+_IMPORT_EACH = """
+import importlib, os, sys, traceback
+for name in sys.argv[1].split(","):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+assert not [m for m in sys.modules if m == "weightsync" or m.startswith("weightsync.")]
+running = {}
+
+def start(module):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(module)
+            os._exit(0)
+        except BaseException:
+            os.write(write, traceback.format_exc().encode()[-2000:])
+            os._exit(1)
+    os.close(write)
+    running[pid] = (module, read)
+
+def finish():
+    pid, status = os.wait()
+    module, read = running.pop(pid)
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode(errors="replace").strip()
+    if status != 0:
+        print("FAILED-IMPORT", module, (text.splitlines() or [str(status)])[-1])
+
+for module in sys.argv[2:]:
+    if len(running) >= 2:
+        finish()
+    start(module)
+while running:
+    finish()
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    """No module loads only because another was imported before it (an import cycle that
+    happens to work in the order ``weightsync/__init__`` imports things)."""
+    graph = import_graph.build()
+    third_party = sorted({name for names in graph.external.values() for name in names})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _IMPORT_EACH,
+            ",".join(third_party),
+            *sorted(set(graph.edges) - {"weightsync.__main__"}),
+        ],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED-IMPORT")]
+    assert not failed, "modules that fail to import first:\n" + "\n".join(failed)
 
 
 def test_a_party_whose_own_device_work_timed_out_is_blamed_not_its_peer() -> None:
@@ -265,9 +400,9 @@ class RefusingComm:
 
 
 def test_a_refused_agreement_names_the_refuser_moves_nothing_and_keeps_the_group() -> None:
-    from weightsync.core.transport.base import Sources
-    from weightsync.core.transport.broadcast import BroadcastSender
+    from weightsync.core.halves import Sources
     from weightsync.core.wire import Manifest, SyncCall, TensorSpec
+    from weightsync.transports.broadcast.halves import BroadcastSender
 
     manifest = Manifest.build([TensorSpec("w", (4,), "float32")], buffer_bytes=256)
     comm = RefusingComm()

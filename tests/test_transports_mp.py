@@ -11,13 +11,13 @@ import torch
 
 from tests.helpers import act, session_of
 from tests.procs import Holder, gloo_rank, ipc_consumer
+from weightsync.core.halves import Sources
 from weightsync.core.sender import WeightSender
-from weightsync.core.transport.base import Sources
-from weightsync.core.transport.broadcast import BroadcastSender
-from weightsync.core.transport.gloo import GlooCommunicator, open_store
-from weightsync.core.transport.shm import leftover_segments
 from weightsync.core.wire import Manifest, SyncCall, SyncSettings, TransferError, TransferTimeout
 from weightsync.core.wire.shm_names import current_scope
+from weightsync.mechanisms.gloo import GlooCommunicator, open_store
+from weightsync.mechanisms.shm import leftover_segments
+from weightsync.transports.broadcast.halves import BroadcastSender
 
 CTX = mp.get_context("spawn")
 SEEDS = [11, 12, 13]
@@ -105,7 +105,7 @@ def test_the_slot_check_catches_a_producer_that_ignores_the_hand_off(
     monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
 ) -> None:
     """Break the producer on purpose (never wait for the slot): the same check must fire."""
-    from weightsync.core.transport.control import ControlBlock
+    from weightsync.mechanisms.control import ControlBlock
 
     def no_wait(block, predicate, deadline, me, what, names, **kw):  # type: ignore[no-untyped-def]
         if "release slot" in what():

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from ray.util.queue import Empty, Queue
 
-from weightsync.core.transport.base import Landing, ReceiveHalf, SendHalf, Sources
-from weightsync.core.transport.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
+from weightsync.core.halves import Landing, ReceiveHalf, SendHalf, Sources
+from weightsync.core.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire import EndpointInfo, PeerAborted, Session, SyncCall, TransferTimeout, WeightSyncError
 
 KIND = "pickled"

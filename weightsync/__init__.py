@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.compat.packed_tensor import PackedChunk, pack_tensors, unpack_tensor
+from weightsync.core.plugin import Mode, Transport
 from weightsync.core.receiver import WeightReceiver, WorkerState
 from weightsync.core.registry import register as register_transport
 from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
-from weightsync.core.transport.plugin import Mode, Transport
 from weightsync.core.wire import (
     ALLOWED_DTYPES,
     CastCount,

@@ -6,8 +6,8 @@ boundaries as vLLM's do (take tensors until their running total exceeds
 ``buffer_size_bytes``; the bytes back to back, no padding), so a weightsync producer feeds
 vLLM's consumer and the other way round. ``group`` is anything with
 ``broadcast(tensor, src=...)``: vLLM's ``PyNcclCommunicator``, or
-:class:`~weightsync.core.transport.groups.GlooGroup` (a ``torch.distributed`` gloo group, CPU) and
-:class:`~weightsync.core.transport.groups.CommunicatorGroup` (weightsync's gloo or NCCL
+:class:`~weightsync.mechanisms.groups.GlooGroup` (a ``torch.distributed`` gloo group, CPU) and
+:class:`~weightsync.mechanisms.groups.CommunicatorGroup` (weightsync's gloo or NCCL
 communicator), both exported here. Call order, on every rank at once::
 
     packed_nccl_broadcast_producer(model.named_parameters(), group, 0, lambda item: item[1])
@@ -86,9 +86,9 @@ from weightsync.compat.packed_ipc import (
     packed_ipc_producer,
 )
 from weightsync.core.packing import as_bytes, bytes_as, write_bytes_at
-from weightsync.core.transport.groups import CommunicatorGroup, GlooGroup
-from weightsync.core.transport.streams import SlotStreams
 from weightsync.core.wire import dtype_from_name
+from weightsync.mechanisms.groups import CommunicatorGroup, GlooGroup
+from weightsync.mechanisms.streams import SlotStreams
 
 DEFAULT_PACKED_NUM_BUFFERS = 2
 #: Default deadline, in seconds, of each wait on a CUDA stream inside the broadcast functions.

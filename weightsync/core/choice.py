@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from weightsync.core import registry
-from weightsync.core.transport.plugin import Serving, Transport
+from weightsync.core.plugin import Serving, Transport
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
 

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.core.placement import describe_here
+from weightsync.core.plugin import Plugin, Request, TrainerSide, WorkerSide
 from weightsync.core.policy import judge
-from weightsync.core.transport.plugin import Plugin, Request, TrainerSide, WorkerSide
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.core.wire.outcome import Outcome, failed, ok
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalOpening:
-    """An :class:`~weightsync.core.transport.plugin.Opening` over endpoints of this process."""
+    """An :class:`~weightsync.core.plugin.Opening` over endpoints of this process."""
 
     plugin: Plugin
     trainer: TrainerSide

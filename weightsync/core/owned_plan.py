@@ -1,6 +1,6 @@
 """The plan of owner sends: which bytes of each bucket every trainer rank owns and sends.
 
-With owner sends (:mod:`weightsync.core.plugins.owned`) no rank gathers: rank ``r`` of ``R``
+With owner sends (:mod:`weightsync.transports.owners.plugin`) no rank gathers: rank ``r`` of ``R``
 broadcasts, bucket by bucket, only the rows it holds, and every worker puts the R pieces
 together. Both sides derive the same plan from the Manifest and an :class:`OwnedLayout`
 (one flag per tensor, exchanged once at setup), so nothing but bytes moves per sync.
@@ -19,6 +19,10 @@ least ``inplace_bytes`` (when that is set) travels alone instead, *in place*: st
 the rank's shard into the worker's rows of the tensor, since a row range is one contiguous
 run of bytes on both sides. Per bucket, a group carries the packed segment first, then the
 in-place pieces in order.
+
+At setup the ranks agree on the layout before anything is planned: :func:`agreed_layout`,
+the first step of both owner transports, asks every rank for its own (:func:`placements`,
+answered by a trainer side that :class:`HoldsShards`) and refuses ranks that disagree.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import plan_buckets, row_or_replicated
+from weightsync.core.plugin import Opening, Request, TrainerSide
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 
@@ -158,3 +164,37 @@ def layout_of(party: str, named: Sequence[tuple[str, torch.Tensor]], ranks: int,
                 )
         rows.append(split)
     return OwnedLayout(ranks=ranks, rows=tuple(rows))
+
+
+@runtime_checkable
+class HoldsShards(Protocol):
+    """A trainer side whose ranks hold the model sharded (DTensors) and can say how."""
+
+    def owned_layout(self) -> OwnedLayout:
+        """This rank's :class:`OwnedLayout` (:func:`layout_of` its tensors)."""
+
+
+def agreed_layout(opening: Opening, instead: str) -> OwnedLayout:
+    """Every rank's :class:`OwnedLayout` (action ``placements``), refused unless all agree and
+    the ranks are the mesh's, in rank order; ``instead``: the transport to suggest."""
+    ranks = opening.servers
+    laid = opening.step({r: Request(action="placements") for r in ranks}, "describing what each rank holds")
+    layout: OwnedLayout = laid[ranks[0]]
+    odd = [r for r in ranks if laid[r] != layout]
+    if odd or layout.ranks != len(ranks):
+        raise SettingsError(
+            f"{', '.join(odd) or ranks[0]} hold(s) the model differently from {ranks[0]} "
+            f"({layout.ranks} mesh rank(s) for {len(ranks)} trainer rank(s)): every rank must be one rank of one "
+            f"mesh, in rank order; use transport={instead!r} (it gathers)"
+        )
+    return layout
+
+
+def placements(side: TrainerSide) -> OwnedLayout:
+    """The owner transports' first trainer action: this rank's :class:`OwnedLayout`."""
+    if not isinstance(side, HoldsShards):
+        raise SettingsError(
+            f"{side.session.party}: owner sends need the ranks of a sharded (DTensor) trainer, and this one holds "
+            "plain tensors; use transport='broadcast'"
+        )
+    return side.owned_layout()

@@ -59,7 +59,7 @@ def describe_here(
     node's, when there is one (otherwise the host name decides what is the same node)."""
     uuid = None
     if device.type == "cuda":
-        from weightsync.core.transport.cuda_ipc import gpu_uuid
+        from weightsync.mechanisms.cuda_ipc import gpu_uuid
 
         uuid = gpu_uuid(device.index or 0)
     return EndpointInfo(
@@ -82,6 +82,6 @@ def gpu_reason() -> str | None:
 
 def shm_reason() -> str | None:
     """None when shared memory is writable here, else why not (for the doctor)."""
-    from weightsync.core.transport.shm import SHM_DIR
+    from weightsync.mechanisms.shm import SHM_DIR
 
     return None if os.access(SHM_DIR, os.W_OK) else f"{SHM_DIR} is not writable"

@@ -3,7 +3,7 @@
 :class:`WeightReceiver` checks the Manifest, holds the receiving half of the worker's
 transport, and runs the worker's state machine for every transport alike. It imports no
 Ray and names no transport: the plug-ins' setup actions install its half (it is their
-:class:`~weightsync.core.transport.plugin.WorkerSide`). One session::
+:class:`~weightsync.core.plugin.WorkerSide`). One session::
 
     receiver.accept(manifest, server, timeout_s)   refuses a mismatch, by tensor, before any
                                                    byte; the receiver's Session starts here
@@ -21,19 +21,20 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from weightsync.core.checking import check_destination
-from weightsync.core.listener import Listener
+from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
+from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink
-from weightsync.core.transport.base import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import PushExport, ReceiveResult, SyncCall
+from weightsync.core.wire.messages import ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
@@ -71,7 +72,8 @@ class WeightReceiver:
         #: Held while a sync writes this worker's weights from a listener thread (push
         #: mode), and by code reading them; see :meth:`reading`.
         self.gate = threading.RLock()
-        self.listener: Listener | None = None
+        #: Push mode's listener (see :meth:`listen`), closed with the transports.
+        self.listener: Listening | None = None
         #: The state a sync found (what a staged sync that failed before loading returns
         #: to), and whether the sync's bytes reached the model yet.
         self._before = WorkerState.COMMITTED
@@ -176,7 +178,7 @@ class WeightReceiver:
             held=held,
         )
 
-    def _receive_pushed(self, call: SyncCall) -> ReceiveResult:
+    def receive_pushed(self, call: SyncCall) -> ReceiveResult:
         """Push mode's receive: no commit call follows, so with ``verify`` the worker commits
         here, on its half's own check of its destination against its one trainer (direct
         compares every tensor this worker holds with the trainer's checksum of it)."""
@@ -322,18 +324,15 @@ class WeightReceiver:
             self.close_transports()
         self.active_half = half
 
-    def listen(self) -> PushExport:
-        """Push mode: start the listener that runs this worker's receive when its server
-        rings (no Ray call per sync); returns what the server attaches."""
+    def listen(self, start: Callable[[], Listening]) -> Listening:
+        """Push mode: stop the listener this worker had, then keep the one ``start`` makes
+        (a thread that runs :meth:`receive_pushed` when its server rings: no Ray call per
+        sync) until the transports close; returns it."""
         if self.active_half is None:
             raise WeightSyncError(f"{self.name}: push mode needs an open transport to listen on; run setup()")
         self._stop_listener()
-        self.listener = Listener(self.name, self.device, self._receive_pushed, self.status, self.gate)
-        return self.listener.export()
-
-    def seal_listen(self) -> None:
-        if self.listener is not None:
-            self.listener.seal()
+        self.listener = start()
+        return self.listener
 
     def reading(self) -> threading.RLock:
         """Hold this (``with receiver.reading():``) while reading the weights: a pushed sync

@@ -3,7 +3,7 @@
 :class:`WeightSender` holds the model side of a transfer and the sending halves of the
 transports opened for it. It imports no Ray and names no transport: the actors wrap it, any
 process layout can drive it, and the plug-ins' setup actions install its halves (it is
-their :class:`~weightsync.core.transport.plugin.TrainerSide`). One session, as the
+their :class:`~weightsync.core.plugin.TrainerSide`). One session, as the
 coordinator runs it::
 
     sender.manifest(settings)            -> Manifest (rebuilt from the model at every setup;
@@ -23,12 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.core import registry
+from weightsync.core.halves import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
+from weightsync.core.riders import RiddenTensors
 from weightsync.core.sinks import TensorPaths, module_tensors
-from weightsync.core.transport.base import Rider, SendHalf, Sources, abort_each, shed_traceback
-from weightsync.core.transport.batched_copy import PlanKey, plan_key
-from weightsync.core.transport.riders import RiddenTensors
 from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
@@ -36,6 +34,7 @@ from weightsync.core.wire.messages import SendResult, SyncCall
 from weightsync.core.wire.session import TRAINER_PARTY, Session
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints, free_memory_bytes, resolve_buffer_bytes
+from weightsync.mechanisms.batched_copy import PlanKey, plan_key
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -257,7 +256,7 @@ class WeightSender:
 
     def _riders(self, sources: Sources, call: SyncCall, deadline: float) -> dict[str, Rider]:
         """On streamed sources, the halves that ride the walk of another (none when no half
-        of this sync walks the sources itself): see :mod:`weightsync.core.transport.riders`."""
+        of this sync walks the sources itself): see :mod:`weightsync.core.riders`."""
         if not sources.streamed or not self._carrier(call):
             return {}
         riders: dict[str, Rider] = {}
@@ -275,13 +274,13 @@ class WeightSender:
         )
 
     def resolve(self, call: SyncCall) -> SyncCall:
-        """``call`` with its targets given: a call without them drives every open half, with
-        all its peers, in the registry's send order."""
+        """``call`` with its targets given: the order of ``call.targets`` is the order the
+        halves are driven in (the coordinator's, by each transport's ``send_order``); a call
+        without them drives every open half, with all its peers, in the order they were
+        installed (a single-process caller that opened them itself)."""
         if call.targets is not None:
             return call
-        order = {t.name: t.send_order for t in registry.transports()}
-        kinds = sorted(self.halves, key=lambda k: order.get(k, 1 << 30))
-        return replace(call, targets={kind: self.halves[kind].peers for kind in kinds})
+        return replace(call, targets={kind: half.peers for kind, half in self.halves.items()})
 
     def walks(self, call: SyncCall) -> int:
         """The passes over the tensors this sync makes: one for the checksums with ``verify``,
@@ -303,7 +302,7 @@ class WeightSender:
     def abort_halves(self, call: SyncCall, failure: BaseException | None = None) -> None:
         """Tell every peer of this sync's transports that this side failed (``failure``:
         the cause, which stays the error raised whatever an abort does; see
-        :func:`~weightsync.core.transport.base.abort_each`)."""
+        :func:`~weightsync.core.halves.abort_each`)."""
         abort_each([h for kind in call.kinds if (h := self.halves.get(kind)) is not None], failure)
 
     # transports (the plug-ins' TrainerSide) ---------------------------------------------

@@ -23,7 +23,7 @@ colocated workers, a rank may have no worker at all). The rule, per sync::
 A walk a half needs is one pass in manifest order; each half says how many it makes
 (``SendHalf.walks``): broadcast, ipc and direct one each (direct writes every worker of
 the rank from the same pass, and rides the pass of broadcast or ipc when the rank drives
-one of them too: :mod:`weightsync.core.transport.riders`), owner sends and owner writes
+one of them too: :mod:`weightsync.core.riders`), owner sends and owner writes
 none (each rank sends from its own shards); with
 ``verify`` the sender first makes one more, for the checksum of every tensor (what each
 worker's destination is compared with, against rank 0's: a replicated tensor that differs
@@ -53,10 +53,10 @@ import torch.distributed as dist
 
 from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import GatheredTensors, Wait, plan_buckets
+from weightsync.core.halves import Sources, shed_traceback
 from weightsync.core.owned_plan import OwnedLayout, layout_of
 from weightsync.core.packing import read_checksums, word_sum
 from weightsync.core.sender import WeightSender
-from weightsync.core.transport.base import Sources, shed_traceback
 from weightsync.core.wire.errors import (
     ModelChangedError,
     PeerAborted,

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
-from weightsync.core.transport.base import Landing
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 

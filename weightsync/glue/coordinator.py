@@ -60,7 +60,7 @@ class WeightSync:
     handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push`` (one trainer,
     every worker direct): workers listen for syncs instead of taking a Ray call each, so a
     sync is one call to the trainer, and the trainer may also sync from inside its own
-    methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.core.pusher`.
+    methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.transports.push.pusher`.
 
     ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast

@@ -1,6 +1,6 @@
 """A transport plug-in's setup steps, run over Ray: the :class:`Opening` the plug-ins are given.
 
-Each :class:`~weightsync.core.transport.plugin.Request` of a step becomes one call of the
+Each :class:`~weightsync.core.plugin.Request` of a step becomes one call of the
 party's ``ws_open(plugin, action, *args)``, all submitted together and awaited once by
 :class:`~weightsync.glue.steps.Steps` (a failure raises SetupError naming every failing
 party, after the set-up was torn down). Call order, from the setup sequence::
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.core.transport.plugin import Plugin, Request
+from weightsync.core.plugin import Plugin, Request
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.glue.steps import Steps
@@ -23,7 +23,7 @@ from weightsync.glue.steps import Steps
 
 @dataclass(frozen=True, kw_only=True)
 class RayOpening:
-    """One serving party's opening of one plug-in (see :class:`~weightsync.core.transport.plugin.Opening`)."""
+    """One serving party's opening of one plug-in (see :class:`~weightsync.core.plugin.Opening`)."""
 
     plugin: Plugin
     server: str

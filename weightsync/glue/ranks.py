@@ -29,7 +29,7 @@ from typing import Any
 from weightsync.core import registry
 from weightsync.core.choice import choose_transport
 from weightsync.core.placement import same_device
-from weightsync.core.transport.plugin import Serving
+from weightsync.core.plugin import Serving
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, SourceLayout, SyncCall

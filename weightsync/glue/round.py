@@ -30,8 +30,8 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 from weightsync.core import registry
+from weightsync.core.plugin import Serving
 from weightsync.core.policy import Verdict, judge
-from weightsync.core.transport.plugin import Serving
 from weightsync.core.wire.errors import SyncError
 from weightsync.core.wire.messages import ReceiveResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome

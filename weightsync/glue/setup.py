@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from weightsync.core import registry
+from weightsync.core.plugin import Mode, Serving
 from weightsync.core.policy import judge
-from weightsync.core.transport.plugin import Mode, Serving
 from weightsync.core.wire.casts import count_casts
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import Manifest

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.core.plugins.push import pusher_of
+from weightsync.core import registry
+from weightsync.core.plugin import Plugin
 from weightsync.core.policy import judge
 from weightsync.core.sender import WeightSender
 from weightsync.core.sharded import ShardedSender, has_dtensors
-from weightsync.core.transport.plugin import Plugin
 from weightsync.core.wire.errors import SyncError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, PushResult, SourceLayout, SyncCall
@@ -119,8 +119,7 @@ class TrainerMixin:
         return answer(self._me(), "push", self._ws_push, call, owner)
 
     def _ws_push(self, call: SyncCall, owner: str = "") -> PushResult:
-        sender = self._ws()
-        return pusher_of(sender, owner).push(sender.send, call)
+        return registry.mode("push").sync(self._ws(), call, owner)
 
     def weightsync_push(self, version: int, verify: bool = False, force: bool = False) -> PushResult:
         """Sync ``version`` to every listening worker from inside this actor's own method.

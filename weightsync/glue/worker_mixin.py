@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.plugin import Plugin
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
-from weightsync.core.transport.plugin import Plugin
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, SyncCall

@@ -17,7 +17,7 @@ import torch
 
 from weightsync.core import registry
 from weightsync.core.choice import requests
-from weightsync.core.transport.plugin import Serving
+from weightsync.core.plugin import Serving
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
 from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int, positive_seconds
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
@@ -128,7 +128,7 @@ def doctor(args: argparse.Namespace) -> int:
     try:
         import cupy
 
-        from weightsync.core.transport.nccl import nccl_version
+        from weightsync.mechanisms.nccl import nccl_version
 
         version = nccl_version()
         _print(f"cupy {cupy.__version__}; NCCL {version or 'not loadable'}")
@@ -136,7 +136,7 @@ def doctor(args: argparse.Namespace) -> int:
         _print(
             "cupy: not installed (GPU broadcast needs the cuda12 or cuda13 extra; scripts/run.sh adds it on a GPU machine)"
         )
-    from weightsync.core.transport.shm import SHM_DIR, leftover_segments
+    from weightsync.mechanisms.shm import SHM_DIR, leftover_segments
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     _print("transports:")

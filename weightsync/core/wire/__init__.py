@@ -8,7 +8,7 @@ Ray-free and transport-free; everything else in weightsync builds on it.
 * :mod:`~weightsync.core.wire.manifest`: TensorSpec, the Manifest.
 * :mod:`~weightsync.core.wire.casts`: the casts a worker's sink makes on load, and what each loses.
 * :mod:`~weightsync.core.wire.plan`: the chunk plans (packed, broadcast) both sides derive.
-* :mod:`~weightsync.core.wire.messages`: endpoint info, group spec, export handles, per-sync calls and results.
+* :mod:`~weightsync.core.wire.messages`: endpoint info, region handles, per-sync calls and results (each transport keeps its own setup messages).
 * :mod:`~weightsync.core.wire.outcome`: :class:`Outcome` per party and call, and blame.
 * :mod:`~weightsync.core.wire.session`: :class:`Session` per party and set-up, and the deadline policy.
 * :mod:`~weightsync.core.wire.report`: :class:`SyncReport`.
@@ -43,10 +43,7 @@ from weightsync.core.wire.manifest import (
 )
 from weightsync.core.wire.messages import (
     CudaIpcHandle,
-    DirectExport,
     EndpointInfo,
-    GroupSpec,
-    IpcExport,
     ReceiveResult,
     RegionHandle,
     SendResult,
@@ -81,11 +78,8 @@ __all__ = [
     "CudaIpcHandle",
     "Deadlines",
     "DeviceMismatch",
-    "DirectExport",
     "EndpointInfo",
     "ExportNotFound",
-    "GroupSpec",
-    "IpcExport",
     "Manifest",
     "ManifestError",
     "ModelChangedError",

@@ -101,40 +101,6 @@ class SourceLayout:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GroupSpec:
-    """A broadcast group to join: rendezvous address and this rank (the timeout is the
-    session's)."""
-
-    name: str
-    store_host: str
-    store_port: int
-    rank: int
-    world_size: int
-    backend: str
-    nccl_id: bytes | None = None
-    #: Every rank's party name, in rank order (rank 0 is the serving trainer party).
-    members: tuple[str, ...] = ()
-    #: The address this rank's gloo sockets listen on (its own node's; "" means store_host).
-    bind_host: str = ""
-
-    def __post_init__(self) -> None:
-        _require(
-            len(self.members) == self.world_size and all(isinstance(m, str) and m for m in self.members),
-            f"a group of {self.world_size} ranks needs {self.world_size} member names, got {self.members!r}",
-        )
-        _require(self.backend in ("gloo", "nccl"), f"broadcast backend must be gloo or nccl, got {self.backend!r}")
-        _require(_is_int(self.world_size) and self.world_size >= 2, f"world_size must be >= 2, got {self.world_size}")
-        _require(
-            _is_int(self.rank) and 0 <= self.rank < self.world_size,
-            f"rank {self.rank} out of range for a world of {self.world_size}",
-        )
-        _require(0 < self.store_port < 65536, f"store port {self.store_port} out of range")
-        _require(
-            self.backend != "nccl" or isinstance(self.nccl_id, bytes), "an NCCL group needs the unique id as bytes"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
 class ShmHandle:
     """A shared-memory region as it crosses a process boundary; ``path`` may only name one
     of weightsync's regions in ``/dev/shm`` (checked here and again where it is mapped)."""
@@ -164,67 +130,6 @@ class CudaIpcHandle:
 
 
 RegionHandle = ShmHandle | CudaIpcHandle
-
-
-@dataclass(frozen=True, kw_only=True)
-class IpcExport:
-    """What an IPC consumer needs to attach: the slot region, the control block, the layout."""
-
-    session: str
-    slots: RegionHandle
-    control: ShmHandle
-    num_slots: int
-    slot_bytes: int
-    consumer_names: tuple[str, ...]
-    #: On a GPU: per slot, the interprocess event the producer records after packing it;
-    #: per consumer and slot, the event that consumer records after unpacking it.
-    packed_events: tuple[bytes, ...] = ()
-    freed_events: tuple[tuple[bytes, ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        _require(
-            _is_int(self.num_slots) and _is_int(self.slot_bytes) and self.num_slots >= 1 and self.slot_bytes >= 1,
-            "an IPC export needs at least one non-empty slot",
-        )
-        _require(
-            not self.packed_events
-            or (
-                len(self.packed_events) == self.num_slots
-                and len(self.freed_events) == len(self.consumer_names)
-                and all(len(row) == self.num_slots for row in self.freed_events)
-            ),
-            "an IPC export's events must be one per slot, and one row per consumer",
-        )
-        _require(bool(self.consumer_names), "an IPC export needs at least one consumer")
-        _require(
-            self.slots.nbytes == self.num_slots * self.slot_bytes,
-            f"IPC export region holds {self.slots.nbytes} bytes, {self.num_slots} slots of {self.slot_bytes} need "
-            f"{self.num_slots * self.slot_bytes}",
-        )
-
-    @property
-    def num_consumers(self) -> int:
-        return len(self.consumer_names)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DirectExport:
-    """A worker's exported destination region, where each tensor lives in it, and the
-    control block the two sides meet on."""
-
-    session: str
-    worker: str
-    region: RegionHandle
-    offsets: tuple[int, ...]
-    control: ShmHandle
-    writers: int = 1
-    """The trainer parties writing into it, each its own part (owner writes: every rank)."""
-
-    def __post_init__(self) -> None:
-        _require(all(_is_int(o) and o >= 0 for o in self.offsets), "direct export offsets must be non-negative ints")
-        _require(
-            _is_int(self.writers) and self.writers >= 1, f"a direct export has 1 or more writers, got {self.writers!r}"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,26 +227,6 @@ class ReceiveResult:
             all(isinstance(p, ReceiveResult) and not p.parts for p in self.parts),
             f"{self.worker}: a receive result's parts must be ReceiveResults of single parts",
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PushExport:
-    """A listening direct worker's mailbox and doorbell (push mode: see transport/mailbox.py)."""
-
-    worker: str
-    mailbox: ShmHandle
-    doorbell: str
-    #: The secret each ring carries; the listener ignores a datagram without it.
-    doorbell_key: bytes
-    pid: int
-
-    def __post_init__(self) -> None:
-        _require(bool(self.worker) and bool(self.doorbell), "a push export names its worker and its doorbell")
-        _require(
-            isinstance(self.doorbell_key, bytes) and len(self.doorbell_key) == 16,
-            f"{self.worker}: a push export's doorbell key must be 16 bytes, got {self.doorbell_key!r}",
-        )
-        _require(_is_int(self.pid) and self.pid > 0, f"a push export's pid must be a positive int, got {self.pid!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,8 @@
 The reference file this project grew from hands every chunk over with a call to the
 producer (pack it into a slot) and one to each consumer (copy it out). The bench measures
 that design (:mod:`~weightsync.tools.bench.reference`) on weightsync's own slots, through
-the two hooks the ipc halves keep for it (``IpcSender.pack_slot``, ``IpcReceiver.read_slot``).
+the two hooks the ipc halves keep for it (``pack_slot`` of its sending half, ``read_slot`` of
+its receiving half), seen through :class:`SlotPacker` and :class:`SlotReader`.
 The caller must not pack a slot again before every consumer's :func:`consume_chunk` of it
 returned. Call order::
 
@@ -15,12 +16,48 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from weightsync.core.packing import ChunkUnpacker
-from weightsync.core.transport.ipc import IpcReceiver, IpcSender
 from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.manifest import Manifest
+
+
+@runtime_checkable
+class SlotPacker(Protocol):
+    """An ipc sending half, as far as the per-chunk hand-off needs it."""
+
+    manifest: Manifest
+
+    @property
+    def export_session(self) -> str | None: ...
+
+    def pack_slot(
+        self, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False
+    ) -> int | None: ...
+
+
+@runtime_checkable
+class SlotReader(Protocol):
+    """An ipc receiving half, as far as the per-chunk hand-off needs it."""
+
+    name: str
+    manifest: Manifest
+
+    @property
+    def export_session(self) -> str | None: ...
+
+    def read_slot(
+        self,
+        chunk_index: int,
+        slot: int,
+        unpacker: ChunkUnpacker,
+        deliver: Callable[[list[tuple[str, torch.Tensor]]], None],
+        verify: bool = False,
+        expected: int | None = None,
+    ) -> int | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +80,7 @@ class ChunkHandle:
 
 
 def pack_chunk(
-    sender: IpcSender, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False
+    sender: SlotPacker, chunk_index: int, slot: int, sources: Sequence[torch.Tensor], verify: bool = False
 ) -> ChunkHandle:
     """Pack chunk ``chunk_index`` into ``slot``; its bytes are complete when this returns."""
     checksum = sender.pack_slot(chunk_index, slot, sources, verify)
@@ -54,7 +91,7 @@ def pack_chunk(
 
 
 def consume_chunk(
-    receiver: IpcReceiver,
+    receiver: SlotReader,
     handle: ChunkHandle,
     unpacker: ChunkUnpacker,
     deliver: Callable[[list[tuple[str, torch.Tensor]]], None],

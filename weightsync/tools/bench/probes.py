@@ -109,20 +109,20 @@ _RAW: dict[str, Any] = {}
 
 
 def gloo_join(model: torch.nn.Module, host: str, port: int, rank: int, world: int) -> None:
-    from weightsync.core.transport.gloo import GlooCommunicator
+    from weightsync.mechanisms.gloo import GlooCommunicator
 
     _RAW["comm"] = GlooCommunicator(host, port, rank, world, "bench-raw", 300.0, bind_host=host)
 
 
 def gloo_open_store(model: torch.nn.Module, host: str, world: int) -> int:
-    from weightsync.core.transport.gloo import open_store
+    from weightsync.mechanisms.gloo import open_store
 
     _RAW["store"] = open_store(host, 0, world, 300.0)
     return int(_RAW["store"].port)
 
 
 def gloo_join_root(model: torch.nn.Module, host: str, world: int) -> None:
-    from weightsync.core.transport.gloo import GlooCommunicator
+    from weightsync.mechanisms.gloo import GlooCommunicator
 
     _RAW["comm"] = GlooCommunicator(host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=_RAW["store"])
 

@@ -13,18 +13,17 @@ from typing import Any
 
 import ray
 
-from weightsync.core.transport.base import unpacker_for
-from weightsync.core.transport.ipc import IpcReceiver, IpcSender
+from weightsync.core.halves import unpacker_for
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.glue.actors import TrainerHost, WorkerHost
-from weightsync.tools.bench.chunks import ChunkHandle, consume_chunk, pack_chunk
+from weightsync.tools.bench.chunks import ChunkHandle, SlotPacker, SlotReader, consume_chunk, pack_chunk
 
 
 class ChunkTrainer(TrainerHost):
     def pack_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
         sender = self._ws()
         ipc = sender.half("ipc")
-        if not isinstance(ipc, IpcSender):
+        if not isinstance(ipc, SlotPacker):
             raise WeightSyncError("trainer: no IPC export is open; set up an ipc WeightSync first")
         return pack_chunk(ipc, chunk_index, slot, sender.checked_sources().tensors)
 
@@ -40,7 +39,7 @@ class ChunkWorker(WorkerHost):
     def consume_chunk(self, handle: ChunkHandle) -> None:
         receiver = self._wr()
         ipc = receiver.half("ipc")
-        if not isinstance(ipc, IpcReceiver) or receiver.manifest is None:
+        if not isinstance(ipc, SlotReader) or receiver.manifest is None:
             raise WeightSyncError(f"{receiver.name}: no IPC export is attached; set up an ipc WeightSync first")
         consume_chunk(ipc, handle, unpacker_for(receiver.manifest, receiver.sink), receiver.sink.consume)
 

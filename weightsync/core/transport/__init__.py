@@ -1,1 +1,0 @@
-"""Transports: one module per mechanism, none of them importing Ray."""

@@ -1,0 +1,1 @@
+"""The broadcast transport: trainer and workers on different devices or nodes, over one gloo or NCCL group."""

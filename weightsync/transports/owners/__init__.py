@@ -1,0 +1,1 @@
+"""The owners transport: each rank of a sharded trainer broadcasts the bytes it holds."""

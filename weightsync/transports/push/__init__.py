@@ -1,0 +1,1 @@
+"""Push mode: direct workers that listen for syncs instead of taking a Ray call each."""

@@ -1,0 +1,150 @@
+"""A direct worker's listener thread: push mode's receiving side.
+
+In push mode (``WeightSync(..., push=True)``) a sync costs no Ray call on the worker: its
+listener sleeps on a doorbell and, when the trainer rings, runs the worker's usual
+``receive`` (the same state machine, checks and deadlines as a Ray-called sync) and leaves
+its answer in the mailbox. The worker's weights are written while the listener holds the
+receiver's gate; code that reads them holds it too (``WorkerActor.call`` does; a
+:class:`~weightsync.glue.actors.WorkerMixin` actor uses ``weightsync_reading()``), so weights
+are never read while they are written. Life of one listener::
+
+    push's "listen" action: WeightReceiver.listen(make a Listener) -> PushExport
+                              (mailbox + doorbell; the thread starts)
+    trainer attaches the mailbox; push's "seal" action unlinks its name
+    per push: ring -> posted() -> receive_pushed(call) under the gate -> reply(seq, PushAnswer)
+    WeightReceiver.close_transports() -> Listener.close()  (stops and joins the thread)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from weightsync.core.wire.errors import TransferTimeout, WeightSyncError
+from weightsync.core.wire.messages import PushAnswer, ReceiveResult, SyncCall
+from weightsync.core.wire.outcome import failed, ok
+from weightsync.mechanisms.doorbell import Doorbell, ring
+from weightsync.mechanisms.mailbox import STOP, Mailbox
+from weightsync.transports.push.messages import PushExport
+
+log = logging.getLogger("weightsync")
+#: How long the listener sleeps between checks that it should stop.
+_IDLE_S = 0.25
+
+
+class Listener:
+    """Runs ``receive(call)`` under ``gate`` for every sync the trainer posts."""
+
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        receive: Callable[[SyncCall], ReceiveResult],
+        status: Callable[[], tuple[int | None, str]],
+        gate: threading.RLock,
+    ) -> None:
+        self.name = name
+        self.device = device
+        self._receive = receive
+        self._status = status
+        self._gate = gate
+        self.mailbox = Mailbox.create()
+        self.doorbell = Doorbell()
+        self._stop = threading.Event()
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-listener-{name}", daemon=True)
+        self._thread.start()
+
+    def export(self) -> PushExport:
+        return PushExport(
+            worker=self.name,
+            mailbox=self.mailbox.handle(),
+            doorbell=self.doorbell.address,
+            doorbell_key=self.doorbell.key,
+            pid=os.getpid(),
+        )
+
+    def seal(self) -> None:
+        self.mailbox.control.unlink()
+
+    def _run(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            last = -1
+            while not self._stop.is_set():
+                self.doorbell.wait(_IDLE_S)
+                posted = self.mailbox.posted()
+                if self._stop.is_set() or posted is None or posted[0] == last:
+                    continue
+                seq, version, verify, force = posted
+                last = seq
+                self._serve(SyncCall(seq=seq, version=version, verify=verify, force=force))
+        except BaseException as exc:  # logged; STOP below tells the trainer at once
+            log.error("weightsync: %s's listener ended: %s", self.name, exc, exc_info=exc)
+        finally:
+            self.mailbox.control[STOP] = 1
+
+    def _serve(self, call: SyncCall) -> None:
+        # Claimed before waiting for the gate, so a teardown meanwhile sees it busy and aborts
+        # the transport, and re-checked once the gate is held: a stopped listener writes nothing.
+        self.busy = True
+        try:
+            with self._gate:
+                try:
+                    if self._stop.is_set():
+                        raise WeightSyncError(f"{self.name}: its listener was stopped before sync {call.seq}")
+                    result = self._receive(call)
+                    # The trainer compared checksums itself; the answer stays small.
+                    outcome = ok(self.name, "receive", replace(result, checksums=[]))
+                except BaseException as exc:  # noqa: BLE001 - the failure travels to the trainer as data
+                    outcome = failed(self.name, "receive", exc)
+                version, state = self._status()
+        finally:
+            self.busy = False
+        self.mailbox.reply(call.seq, PushAnswer(outcome=outcome, version=version, state=state), _shortened)
+
+    def stop(self) -> None:
+        """Ask the thread to end; it answers a sync in flight first. Never blocks: the ring
+        only saves the thread's idle wait, and a full doorbell queue (a stalled thread, or
+        another process flooding it) means it wakes anyway."""
+        self._stop.set()
+        try:
+            ring(self.doorbell.address, self.doorbell.key, time.monotonic(), self.name)
+        except TransferTimeout:
+            log.debug("weightsync: %s's doorbell is full; its listener sees the stop within %.2f s", self.name, _IDLE_S)
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop, join, release; False (nothing released) when the thread did not end in time."""
+        self.stop()
+        if not self.join(timeout_s):
+            log.warning(
+                "weightsync: %s's listener did not stop within %.1f s; leaving its mailbox", self.name, timeout_s
+            )
+            return False
+        self.doorbell.close()
+        self.mailbox.control.close()
+        return True
+
+
+def _shortened(answer: PushAnswer) -> PushAnswer:
+    """``answer`` made to fit the mailbox: a long list of moved tensors or a long error
+    message keeps its head and says how much was left out."""
+    outcome = answer.outcome
+    if outcome.ok and outcome.value.stale:
+        moved = outcome.value.stale
+        head = (*moved[:20], f"... and {len(moved) - 20} more")
+        outcome = replace(outcome, value=replace(outcome.value, stale=head))
+    else:
+        outcome = replace(outcome, message=outcome.message[:4000] + " ... (cut to fit the mailbox)")
+    return replace(answer, outcome=outcome)
