@@ -1,7 +1,7 @@
 """Time the batched copy kernel at several block shapes on this GPU (one process, no Ray).
 
 ``direct`` copies every tensor of a model with one launch of ``batched_copy``'s kernel;
-its defaults (256 threads per block, 16 KiB per block) were chosen on the H200. On another
+its defaults (512 threads per block, 16 KiB per block) were chosen on the H100. On another
 GPU, run this and compare::
 
     .venv/bin/python scripts/tune_batched_copy.py --size 16gb --threads 256,512,1024 --unit-kib 8,16,32,64,128
