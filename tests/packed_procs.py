@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -112,26 +112,31 @@ class Collector:
             self.tensors[name] = tensor.clone()
 
 
-def cpu_shims_for_vllm() -> None:
-    """vLLM's broadcast functions always make CUDA streams; on a CPU host give them no-ops.
+class _NoStream:
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_shims_for_vllm(patch: Callable[[Any, str, Any], None] = setattr) -> Any:
+    """vLLM's broadcast functions always make CUDA streams; on a CPU host give them no-ops
+    (through ``patch``: ``setattr`` in a child process, ``monkeypatch.setattr`` in a test).
+    Returns vLLM's module.
 
     Their chunking and byte handling, which is what interoperability is about, run as is.
     """
     import vllm.distributed.weight_transfer.packed_tensor as vpt
 
-    class _NoStream:
-        def synchronize(self) -> None:
-            pass
-
     if not torch.cuda.is_available():
         if hasattr(vpt, "_get_streams"):
-            vpt._get_streams = lambda device_idx, num_buffers: tuple(_NoStream() for _ in range(num_buffers))
-        torch.accelerator.current_device_index = lambda: 0  # type: ignore[assignment]
-        torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
+            patch(vpt, "_get_streams", lambda device_idx, num_buffers: tuple(_NoStream() for _ in range(num_buffers)))
+        patch(torch.accelerator, "current_device_index", lambda: 0)
+        patch(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    return vpt
 
 
-#: (group, num_buffers, seed, producer "ws"/"vllm", consumer "ws"/"vllm", layout)
-Scenario = tuple[str, int, int, str, str, str]
+#: (group, num_buffers, seed, producer "ws"/"vllm", consumer "ws"/"vllm", layout, size_header:
+#: None leaves weightsync's functions at their default, True/False is passed to both sides)
+Scenario = tuple[str, int, int, str, str, str, bool | None]
 
 
 def _run_scenarios(
@@ -141,16 +146,14 @@ def _run_scenarios(
 
     impls: dict[str, Any] = {"ws": ws}
     if any("vllm" in (s[3], s[4]) for s in scenarios):
-        import vllm.distributed.weight_transfer.packed_tensor as vpt
-
-        cpu_shims_for_vllm()
-        impls["vllm"] = vpt
+        impls["vllm"] = cpu_shims_for_vllm()
     results = []
     for scenario in scenarios:
-        group_name, num_buffers, seed, producer, consumer, layout = scenario
+        group_name, num_buffers, seed, producer, consumer, layout, header = scenario
         group, members = groups[group_name]
         if rank not in members:
             continue
+        headers = {} if header is None else {"size_header": header}
         if rank == 0:
             if producer == "vllm":
                 # vLLM records the original dtype, so its producer is fed what goes on the wire.
@@ -159,11 +162,10 @@ def _run_scenarios(
                 )
             else:
                 ws.packed_nccl_broadcast_producer(
-                    iter(model(seed, layout)), group, 0, post_iter, BUFFER, num_buffers, size_header=consumer == "ws"
+                    iter(model(seed, layout)), group, 0, post_iter, BUFFER, num_buffers, **headers
                 )
             continue
         collector = Collector()
-        headers = {"size_header": producer == "ws"} if consumer == "ws" else {}
         impls[consumer].packed_nccl_broadcast_consumer(
             iter(metadata(seed, layout)), group, 0, collector, BUFFER, num_buffers, "cpu", **headers
         )
@@ -281,9 +283,10 @@ def nccl_rank_alone(world: int, timeout_s: float, queue: Any) -> None:
     os._exit(0)
 
 
-def mismatched_pair(rank: int, rdzv: str, consumer_buffer: int, queue: Any) -> None:
+def mismatched_pair(rank: int, rdzv: str, consumer_buffer: int, headers: tuple[bool, bool], queue: Any) -> None:
     """One rank of a 2-rank gloo world whose consumer uses another ``buffer_size_bytes`` than
-    the producer; each rank reports what it raised (the consumer's error text, or None)."""
+    the producer, or another ``size_header`` (``headers``: the producer's, the consumer's);
+    each rank reports what it raised (the consumer's error text, or None)."""
     try:
         import datetime
         import warnings
@@ -297,15 +300,20 @@ def mismatched_pair(rank: int, rdzv: str, consumer_buffer: int, queue: Any) -> N
         outcome: str | None = None
         try:
             if rank == 0:
-                packed_nccl_broadcast_producer(iter(model(9)), GlooGroup(), 0, post_iter, BUFFER, 2)
+                packed_nccl_broadcast_producer(
+                    iter(model(9)), GlooGroup(), 0, post_iter, BUFFER, 2, size_header=headers[0]
+                )
             else:
                 packed_nccl_broadcast_consumer(
-                    iter(metadata(9)), GlooGroup(), 0, Collector(), consumer_buffer, 2, "cpu", timeout_s=60
+                    iter(metadata(9)), GlooGroup(), 0, Collector(), consumer_buffer, 2, "cpu", size_header=headers[1]
                 )
         except ValueError as exc:
             outcome = f"ValueError: {exc}"
         except RuntimeError as exc:  # the producer, once the consumer has gone
             outcome = f"RuntimeError: {exc}"
+        # An aborted group left for interpreter exit to tear down sometimes ends the process in
+        # std::terminate inside torch (about 1 run in 10): destroy it here, as a program should.
+        dist.destroy_process_group()
         queue.put((rank, outcome, None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))

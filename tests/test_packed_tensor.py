@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import warnings
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from tests.packed_procs import (
     LAYOUT,
     Collector,
     Scenario,
+    cpu_shims_for_vllm,
     expected_chunks,
     gloo_world,
     metadata,
@@ -58,17 +60,31 @@ class Recorder:
 
 
 class Replayer:
-    """A group that hands a consumer the chunks a Recorder kept, checking each one's size."""
+    """A group that hands a consumer the broadcasts a Recorder kept, in order.
 
-    def __init__(self, chunks: list[torch.Tensor]) -> None:
+    By default each receive must be exactly as large as the broadcast it meets (NCCL's rule).
+    ``as_gloo`` follows gloo instead: a shorter broadcast fills the start of a larger receive
+    and returns; a longer one is where gloo aborts the process (here: ``GlooAbort``).
+    """
+
+    def __init__(self, chunks: list[torch.Tensor], as_gloo: bool = False) -> None:
         self.chunks = list(chunks)
+        self.as_gloo = as_gloo
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        chunk = self.chunks.pop(0)
-        assert tensor.numel() == chunk.numel(), (
-            f"consumer chunk of {tensor.numel()} bytes, producer sent {chunk.numel()}"
-        )
-        tensor.copy_(chunk)
+        chunk = self.chunks.pop(0).reshape(-1).view(torch.uint8)
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if self.as_gloo and chunk.numel() > flat.numel():
+            raise GlooAbort(f"a {chunk.numel()}-byte broadcast into a {flat.numel()}-byte receive")
+        if not self.as_gloo:
+            assert flat.numel() == chunk.numel(), (
+                f"consumer chunk of {flat.numel()} bytes, producer sent {chunk.numel()}"
+            )
+        flat[: chunk.numel()].copy_(chunk)
+
+
+class GlooAbort(Exception):
+    """Where a real gloo receive would abort the process."""
 
 
 def sizes_of(layout: list[tuple[str, torch.Tensor]]) -> list[int]:
@@ -108,6 +124,7 @@ def test_broadcast_boundaries_follow_the_running_total_rule_and_round_trip(num_b
     chunks = expected_chunks(sizes_of(wire), BUFFER)
     assert len(chunks) >= 5
     assert [c.numel() for c in recorder.chunks] == [sum(sizes_of([wire[i] for i in c])) for c in chunks]
+    assert recorder.headers == [], "no size header unless asked for"
     collector = Collector()
     pt.packed_nccl_broadcast_consumer(
         iter(metadata(1)), Replayer(recorder.sent), 0, collector, BUFFER, num_buffers, "cpu"
@@ -116,10 +133,10 @@ def test_broadcast_boundaries_follow_the_running_total_rule_and_round_trip(num_b
     assert mismatches(collector.tensors, wire) == []
 
 
-def _recorded(seed: int) -> Recorder:
+def _recorded(seed: int, size_header: bool = True) -> Recorder:
     recorder = Recorder()
     with pytest.warns(UserWarning):  # the oversize tensors' warnings, tested above
-        pt.packed_nccl_broadcast_producer(iter(model(seed)), recorder, 0, post_iter, BUFFER, 2)
+        pt.packed_nccl_broadcast_producer(iter(model(seed)), recorder, 0, post_iter, BUFFER, 2, size_header=size_header)
     return recorder
 
 
@@ -130,6 +147,11 @@ def test_each_chunk_is_preceded_by_its_size_and_the_stream_by_an_end() -> None:
     assert [h[1:] for h in recorder.headers] == [*([BUFFER, n, k] for n, k in zip(sizes, counts)), [BUFFER, 0, 0]]
     kinds = [t.dtype for t in recorder.sent]
     assert kinds == [torch.int64, torch.uint8] * len(sizes) + [torch.int64], "a header before every chunk"
+    collector = Collector()
+    pt.packed_nccl_broadcast_consumer(
+        iter(metadata(2)), Replayer(recorder.sent, as_gloo=True), 0, collector, BUFFER, 2, "cpu", size_header=True
+    )
+    assert mismatches(collector.tensors, sent(2)) == []
 
 
 @pytest.mark.parametrize("factor", [4, 2])
@@ -138,7 +160,14 @@ def test_a_consumer_with_a_larger_buffer_raises_naming_both_sizes(factor: int) -
     collector = Collector()
     with pytest.raises(ValueError, match=rf"buffer_size_bytes={BUFFER}, this consumer's={BUFFER * factor}"):
         pt.packed_nccl_broadcast_consumer(
-            iter(metadata(3)), Replayer(recorder.sent), 0, collector, BUFFER * factor, 2, "cpu"
+            iter(metadata(3)),
+            Replayer(recorder.sent, as_gloo=True),
+            0,
+            collector,
+            BUFFER * factor,
+            2,
+            "cpu",
+            size_header=True,
         )
     assert collector.chunks == [], "nothing may be handed over from a chunk of the wrong size"
 
@@ -149,9 +178,9 @@ def test_a_consumer_whose_metadata_differs_raises_naming_the_chunk_and_never_rec
     # One more element in the first chunk's second tensor: same tensor count, 4 bytes more.
     wrong = [(name, ([8] if name == "after_odd" else shape, dtype)) for name, (shape, dtype) in meta]
     collector = Collector()
-    replayer = Replayer(recorder.sent)
+    replayer = Replayer(recorder.sent, as_gloo=True)
     with pytest.raises(ValueError, match=r"from tensor 'odd_half'.*sent 3 tensors in 85 bytes.*3 tensors in 89 bytes"):
-        pt.packed_nccl_broadcast_consumer(iter(wrong), replayer, 0, collector, BUFFER, 2, "cpu")
+        pt.packed_nccl_broadcast_consumer(iter(wrong), replayer, 0, collector, BUFFER, 2, "cpu", size_header=True)
     assert collector.chunks == []
     assert replayer.chunks[0] is recorder.sent[1], "the mismatching chunk must not be received"
 
@@ -159,11 +188,47 @@ def test_a_consumer_whose_metadata_differs_raises_naming_the_chunk_and_never_rec
 def test_a_consumer_expecting_fewer_or_more_tensors_raises_naming_where() -> None:
     meta = metadata(5)
     with pytest.raises(ValueError, match="sends more than this consumer's metadata lists"):
-        pt.packed_nccl_broadcast_consumer(iter(meta[:3]), Replayer(_recorded(5).sent), 0, Collector(), BUFFER, 2, "cpu")
+        pt.packed_nccl_broadcast_consumer(
+            iter(meta[:3]),
+            Replayer(_recorded(5).sent, as_gloo=True),
+            0,
+            Collector(),
+            BUFFER,
+            2,
+            "cpu",
+            size_header=True,
+        )
     short = Recorder()  # a producer that sends only the first chunk's three tensors
-    pt.packed_nccl_broadcast_producer(iter(model(5)[:3]), short, 0, post_iter, BUFFER, 2)
+    pt.packed_nccl_broadcast_producer(iter(model(5)[:3]), short, 0, post_iter, BUFFER, 2, size_header=True)
     with pytest.raises(ValueError, match=f"the producer ended before tensor '{meta[3][0]}'"):
-        pt.packed_nccl_broadcast_consumer(iter(meta), Replayer(short.sent), 0, Collector(), BUFFER, 2, "cpu")
+        pt.packed_nccl_broadcast_consumer(
+            iter(meta), Replayer(short.sent, as_gloo=True), 0, Collector(), BUFFER, 2, "cpu", size_header=True
+        )
+
+
+def test_a_header_sent_to_a_default_consumer_is_named_not_unpacked_as_weights() -> None:
+    collector = Collector()
+    with pytest.raises(ValueError, match=r"chunk 0 \(from tensor 'odd_half'\).*size header.*size_header=True"):
+        pt.packed_nccl_broadcast_consumer(
+            iter(metadata(6)), Replayer(_recorded(6).sent, as_gloo=True), 0, collector, BUFFER, 2, "cpu"
+        )
+    assert collector.chunks == [], "the header's bytes must not be handed over as tensors"
+
+
+def test_a_header_less_producer_meeting_a_header_consumer_is_named_not_a_gloo_abort() -> None:
+    collector = Collector()
+    with pytest.raises(ValueError, match=r"chunk 0 \(from tensor 'odd_half'\).*expects a size header.*sent none"):
+        pt.packed_nccl_broadcast_consumer(
+            iter(metadata(7)),
+            Replayer(_recorded(7, size_header=False).sent, as_gloo=True),
+            0,
+            collector,
+            BUFFER,
+            2,
+            "cpu",
+            size_header=True,
+        )
+    assert collector.chunks == []
 
 
 def test_metadata_is_what_post_iter_func_returned_so_a_cast_round_trips() -> None:
@@ -313,9 +378,18 @@ def _run_world(tmp_path: Any, scenarios: list[Scenario]) -> list[Any]:
 
 def test_every_broadcast_round_trips_over_real_gloo_groups_between_processes(tmp_path: Any) -> None:
     scenarios: list[Scenario] = [
-        (group, nbuf, seed, "ws", "ws", "awkward")
-        for seed, (group, nbuf) in enumerate(
-            [("world", 1), ("world", 2), ("world", 3), ("pair", 1), ("pair", 2), ("pair", 3), ("weightsync", 2)]
+        (group, nbuf, seed, "ws", "ws", "awkward", header)
+        for seed, (group, nbuf, header) in enumerate(
+            [
+                ("world", 1, None),
+                ("world", 2, True),
+                ("world", 3, None),
+                ("pair", 1, True),
+                ("pair", 2, None),
+                ("pair", 3, True),
+                ("weightsync", 2, None),
+                ("weightsync", 2, True),
+            ]
         )
     ]
     results = _run_world(tmp_path, scenarios)
@@ -331,10 +405,21 @@ def test_every_broadcast_round_trips_over_real_gloo_groups_between_processes(tmp
     assert any(name == "big" for name, _ in sent(0)) and len(LAYOUT) == len(sent(0))
 
 
-def test_a_mismatched_consumer_over_real_gloo_raises_instead_of_aborting(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("consumer_buffer", "headers", "named"),
+    [
+        (BUFFER * 4, (True, True), f"buffer_size_bytes={BUFFER}, this consumer's={BUFFER * 4}"),
+        (BUFFER, (False, True), "expects a size header (size_header=True) and the producer sent none"),
+        (BUFFER, (True, False), "the producer sent a weightsync size header"),
+    ],
+    ids=["buffer-sizes", "header-less-producer", "header-to-default-consumer"],
+)
+def test_a_mismatched_consumer_over_real_gloo_raises_instead_of_aborting(
+    tmp_path: Any, consumer_buffer: int, headers: tuple[bool, bool], named: str
+) -> None:
     queue = CTX.Queue()
     rdzv = f"file://{tmp_path}/rendezvous"
-    children = [CTX.Process(target=mismatched_pair, args=(r, rdzv, BUFFER * 4, queue)) for r in range(2)]
+    children = [CTX.Process(target=mismatched_pair, args=(r, rdzv, consumer_buffer, headers, queue)) for r in range(2)]
     for child in children:
         child.start()
     try:
@@ -345,7 +430,7 @@ def test_a_mismatched_consumer_over_real_gloo_raises_instead_of_aborting(tmp_pat
     assert [child.exitcode for child in children] == [0, 0], "a rank died (gloo aborts on a size mismatch)"
     consumer = outcomes[1]
     assert consumer is not None and consumer.startswith("ValueError")
-    assert f"buffer_size_bytes={BUFFER}, this consumer's={BUFFER * 4}" in consumer
+    assert named in consumer
 
 
 def test_interoperates_both_ways_with_vllms_own_module(tmp_path: Any) -> None:
@@ -354,15 +439,67 @@ def test_interoperates_both_ways_with_vllms_own_module(tmp_path: Any) -> None:
     except pytest.skip.Exception as skip:
         print(f"vLLM is not importable here, interoperability not tested: {skip}")
         raise
+    # weightsync's side at its default size_header, as a trainer or engine that switched its import runs it.
     scenarios: list[Scenario] = [
-        ("world", 2, 20, "ws", "vllm", "aligned"),
-        ("world", 2, 21, "vllm", "ws", "aligned"),
-        ("pair", 1, 22, "vllm", "ws", "odd"),
+        ("world", 2, 20, "ws", "vllm", "aligned", None),
+        ("world", 2, 21, "vllm", "ws", "aligned", None),
+        ("pair", 1, 22, "vllm", "ws", "odd", None),
     ]
     results = _run_world(tmp_path, scenarios)
     assert len(results) == 5
-    for scenario, bad, _ in results:
+    for scenario, bad, received_chunks in results:
         assert bad == [], f"{scenario}: tensors differ or missing: {bad}"
+        wire = sent(scenario[2], scenario[5])
+        assert received_chunks == [[wire[i][0] for i in c] for c in expected_chunks(sizes_of(wire), BUFFER)]
+
+
+def _recorded_both(monkeypatch: Any, layout: str, buffer: int | None) -> tuple[Recorder, Recorder]:
+    """Each module's producer at its defaults (``buffer`` None: vLLM's default 1 GiB too),
+    recorded; vLLM's is fed what goes on the wire, as it records the original dtypes."""
+    vpt = cpu_shims_for_vllm(monkeypatch.setattr)
+    sized = () if buffer is None else (buffer,)
+    ours, theirs = Recorder(), Recorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the oversize tensors' warnings, tested above
+        pt.packed_nccl_broadcast_producer(iter(model(40, layout)), ours, 0, post_iter, *sized)
+        vpt.packed_nccl_broadcast_producer(iter(sent(40, layout)), theirs, 0, lambda item: item[1], *sized)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("buffer", [None, BUFFER], ids=["default-buffer", "many-chunks"])
+def test_default_broadcasts_are_vllms_byte_for_byte(monkeypatch: Any, buffer: int | None) -> None:
+    pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    ours, theirs = _recorded_both(monkeypatch, "odd", buffer)
+    assert len(theirs.sent) == (1 if buffer is None else len(expected_chunks(sizes_of(sent(40, "odd")), BUFFER)))
+    assert [(t.dtype, t.numel()) for t in ours.sent] == [(t.dtype, t.numel()) for t in theirs.sent]
+    for index, (mine, vllms) in enumerate(zip(ours.sent, theirs.sent)):
+        assert torch.equal(mine, vllms), f"broadcast {index} differs from vLLM's"
+
+
+@pytest.mark.parametrize("buffer", [None, BUFFER], ids=["default-buffer", "many-chunks"])
+def test_each_modules_default_consumer_reads_the_others_default_producer(monkeypatch: Any, buffer: int | None) -> None:
+    pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    vpt = cpu_shims_for_vllm(monkeypatch.setattr)
+    sized = () if buffer is None else (buffer,)
+    # vLLM's consumer reads the aligned layout (it cannot view odd offsets); ours reads odd ones.
+    ours, _ = _recorded_both(monkeypatch, "aligned", buffer)
+    into_vllm = Collector()
+    vpt.packed_nccl_broadcast_consumer(
+        iter(metadata(40, "aligned")), Replayer(ours.sent), 0, into_vllm, *sized, device="cpu"
+    )
+    assert mismatches(into_vllm.tensors, sent(40, "aligned")) == []
+    _, theirs = _recorded_both(monkeypatch, "odd", buffer)
+    into_ours = Collector()
+    pt.packed_nccl_broadcast_consumer(
+        iter(metadata(40, "odd")), Replayer(theirs.sent), 0, into_ours, *sized, device="cpu"
+    )
+    assert mismatches(into_ours.tensors, sent(40, "odd")) == []
+    names = [name for name, _ in sent(40, "odd")]
+    assert into_ours.chunks == (
+        [names]
+        if buffer is None
+        else [[names[i] for i in c] for c in expected_chunks(sizes_of(sent(40, "odd")), BUFFER)]
+    )
 
 
 def test_vllms_pack_and_unpack_read_ours_and_ours_read_theirs() -> None:

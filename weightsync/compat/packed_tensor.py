@@ -16,8 +16,10 @@ communicator), both exported here. Call order, on every rank at once::
 where ``meta`` is ``(name, (shape, dtype))`` per tensor, in the producer's order, with the
 shapes and dtypes of what ``post_iter_func`` returns.
 
-Behaviour that differs from vLLM's module (each is a bug fix or an addition; the bytes on
-the wire and the chunk boundaries do not change):
+Behaviour that differs from vLLM's module (each is a bug fix or an addition). With the
+default arguments the broadcasts are vLLM's byte for byte: the same collectives, of the
+same sizes, holding the same bytes, at the same chunk boundaries (the tests record both
+modules' broadcasts and compare them, and feed each module's consumer the other's producer):
 
 - Chunk metadata records the dtype and shape of the tensor actually packed, after
   ``post_iter_func``; vLLM records the original tensor's, so a cast in ``post_iter_func``
@@ -52,12 +54,12 @@ the wire and the chunk boundaries do not change):
   ``post_unpack_func`` stay valid after the call.
 - CPU tensors work: the broadcast functions run without streams over a CPU group, and the
   IPC functions export a ``/dev/shm`` buffer when ``gpu_uuid="cpu"``.
-- The broadcast producer sends a 32-byte size header before each chunk and after the last
-  (:mod:`weightsync.compat.packed_header`), and the consumer checks it before receiving:
-  a consumer whose ``buffer_size_bytes`` or metadata differ from the producer's raises
-  ``ValueError`` naming the chunk's first tensor and both sides' sizes (vLLM's consumer
-  unpacked wrong bytes as a success, or aborted inside gloo). vLLM's own module sends no
-  header: pass ``size_header=False`` to the weightsync side that talks to it.
+- An opt-in size header (``size_header=True`` on the producer and every consumer, all
+  weightsync; off by default, as vLLM's module neither sends nor expects it): a consumer
+  whose ``buffer_size_bytes`` or metadata differ from the producer's raises ``ValueError``
+  naming the chunk and both sizes before receiving it, where vLLM's unpacked wrong bytes or
+  aborted inside gloo. Over gloo a side whose ``size_header`` differs is refused by name
+  (:mod:`weightsync.compat.packed_header` says where that cannot be seen).
 - ``unpack_tensor`` and ``packed_ipc_consumer`` refuse metadata whose lists differ in
   length or whose sizes disagree with the shapes, naming the tensor; ``PackedBufferImporter``
   counts its ``mapped`` and ``released`` buffers.
@@ -248,16 +250,16 @@ def packed_nccl_broadcast_producer(
     num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    size_header: bool = True,
+    size_header: bool = False,
 ) -> None:
     """Broadcast ``post_iter_func(item)`` for every item from rank ``src``, packed into chunks.
 
     With CUDA tensors, chunk k is packed and broadcast on slot stream ``k % num_buffers``, so
     packing chunk k+1 overlaps sending chunk k; a slot is reused only after its stream
     finished. Every slot is drained before returning. Consumers must use the same
-    ``buffer_size_bytes`` and metadata for the same tensors in the same order; with
-    ``size_header`` (pass False only to feed vLLM's own consumer) a consumer that does not
-    raises ``ValueError`` instead of receiving wrong bytes.
+    ``buffer_size_bytes`` and metadata for the same tensors in the same order. By default
+    the broadcasts are vLLM's, byte for byte; ``size_header=True`` (every consumer's too)
+    sends a size header before each chunk (:mod:`weightsync.compat.packed_header`).
     """
     _check_settings(buffer_size_bytes, num_buffers, timeout_s)
     iterator = iter(iterator)
@@ -330,7 +332,7 @@ def packed_nccl_broadcast_consumer(
     device: torch.device | str = "cuda",
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    size_header: bool = True,
+    size_header: bool = False,
 ) -> None:
     """Receive what the producer broadcasts and hand each chunk's tensors to ``post_unpack_func``.
 
@@ -338,9 +340,9 @@ def packed_nccl_broadcast_consumer(
     follow from it exactly as the producer's follow from its tensors. ``device`` is where
     chunks are received (the communicator's device). ``post_unpack_func`` runs on the slot's
     stream with views into that chunk's own tensor. Every slot is drained before returning.
-    With ``size_header`` (pass False only to read vLLM's own producer), each chunk's size is
-    checked against the producer's before it is received: a different ``buffer_size_bytes``
-    or metadata raises ``ValueError`` naming the chunk's first tensor and both sizes.
+    By default the receives are vLLM's. With ``size_header=True`` (the producer's too) each
+    chunk's size is checked before it is received: a different ``buffer_size_bytes`` or
+    metadata raises ``ValueError`` naming the chunk's first tensor and both sizes.
     """
     _check_settings(buffer_size_bytes, num_buffers, timeout_s)
     dev = torch.device(device)
@@ -361,13 +363,10 @@ def packed_nccl_broadcast_consumer(
             in_flight[slot] = None
             with streams.use(slot):
                 streams.wait_for(slot, caller)
-                if size_header:
-                    packed_header.expect(group, src, dev, buffer_size_bytes, metas, chunk)
-                chunk += 1
-                if not metas:
+                packed = packed_header.receive_chunk(group, src, dev, buffer_size_bytes, metas, chunk, size_header)
+                if packed is None:
                     break
-                packed = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8, device=dev)
-                group.broadcast(packed, src=src)
+                chunk += 1
                 in_flight[slot] = packed
                 names, shapes, dtypes, sizes = (list(column) for column in zip(*metas))
                 post_unpack_func(unpack_tensor(packed, names, shapes, dtypes, sizes))
