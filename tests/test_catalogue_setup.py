@@ -320,14 +320,17 @@ def test_fault_concurrent_syncs_on_one_weightsync_are_serialized_and_both_succee
         assert_workers_match(trainer, workers.values())
 
 
-def test_fault_sync_after_close_sets_up_again(actors: Any) -> None:
+def test_fault_sync_after_close_is_refused_by_name_until_setup_opens_it_again(actors: Any) -> None:
     trainer = trainer_of(actors)
     workers = mixed_workers(actors)
     with weightsync.WeightSync(trainer, workers, transport=MIXED, buffer_bytes=BUF, timeout_s=20) as ws:
         get(trainer.call.remote(perturb, 1))
         ws.sync(1)
     get(trainer.call.remote(perturb, 2))
-    report = ws.sync(2)  # after close: sets up again
+    with pytest.raises(weightsync.ClosedError, match=rf"{ws.label}: sync\(version=2\) after close\(\)"):
+        ws.sync(2)  # would set up again and leave the new session open
+    ws.setup()
+    report = ws.sync(2)
     assert {w.name: (w.version, w.state) for w in report.workers} == {n: (2, "committed") for n in MIXED}
     assert_workers_match(trainer, workers.values())
     ws.close()

@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import RAY_TIMEOUT, ROOT
 from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
-from weightsync import LoadWeightsSink, TrainerActor, WeightSync, WorkerActor
+from weightsync import ClosedError, LoadWeightsSink, SettingsError, SetupError, TrainerActor, WeightSync, WorkerActor
 from weightsync.core.wire.shm_names import current_scope
 from weightsync.glue.actors import TrainerHost, TrainerMixin, WorkerMixin
 from weightsync.mechanisms.shm import leftover_segments
@@ -255,9 +255,55 @@ def test_user_actors_with_the_mixins(actors: Any) -> None:
         def pid(self) -> int:
             return os.getpid()
 
+    @ray.remote(num_cpus=0)
+    class ForgotItsModel(WorkerMixin):
+        def __init__(self) -> None:
+            self.net = MixedModel(seed=9)  # not self.model, and no weightsync_model() override
+
+        def pid(self) -> int:
+            return os.getpid()
+
     trainer = actors.add(MyTrainer.remote())
     worker = actors.add(MyWorker.remote())
     with WeightSync(trainer, [worker], transport="broadcast", buffer_bytes=4096) as ws:
         get(trainer.step.remote(3))
         ws.sync(1)
         assert_workers_match(trainer, [worker])
+    # After the with block: refused by name, not set up again and left open.
+    with pytest.raises(ClosedError, match=r"sync\(version=2\) after close\(\).*setup\(\)"):
+        ws.sync(2)
+    with pytest.raises(ClosedError, match=r"verify\(\) after close\(\)"):
+        ws.verify()
+    ws.setup()  # opens it again
+    get(trainer.step.remote(4))
+    ws.sync(2)
+    assert_workers_match(trainer, [worker])
+    ws.close()
+    forgot = actors.add(ForgotItsModel.remote())
+    with pytest.raises(SetupError, match=r"ForgotItsModel mixes in WorkerMixin but has no self.model") as refused:
+        WeightSync(trainer, {"forgot": forgot}, transport="broadcast").setup()
+    assert refused.value.culprits == ["forgot"] and "weightsync_model()" in str(refused.value)
+
+
+def test_a_model_or_an_actor_without_the_protocol_is_refused_when_a_weightsync_is_made(actors: Any) -> None:
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def pid(self) -> int:
+            return os.getpid()
+
+    model = MixedModel(seed=0)
+    worker = actors.add(WorkerActor.options(num_cpus=0).remote(functools.partial(MixedModel, seed=1)))
+    trainer = actors.add(TrainerActor.options(num_cpus=0).remote(functools.partial(MixedModel, seed=0)))
+    plain = actors.add(Plain.remote())
+    with pytest.raises(
+        SettingsError, match=r"the trainer is a MixedModel \(an nn.Module\), not an actor.*TrainerActor"
+    ):
+        WeightSync(model, [worker])
+    with pytest.raises(SettingsError, match=r"worker 'w' is a MixedModel \(an nn.Module\).*WorkerActor"):
+        WeightSync(trainer, {"w": MixedModel(seed=2)})
+    with pytest.raises(SettingsError, match=r"trainer-rank-1 is an actor class, not an actor: start it with .remote"):
+        WeightSync([trainer, TrainerActor], [worker])
+    with pytest.raises(SettingsError, match=r"worker 'p' is an actor of class Plain, which lacks the worker protocol"):
+        WeightSync(trainer, {"p": plain})
+    with pytest.raises(SettingsError, match=r"the trainer is an actor of class WorkerHost.*TrainerMixin"):
+        WeightSync(worker, [trainer])

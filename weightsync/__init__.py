@@ -28,6 +28,7 @@ from weightsync.core.sinks import LoadWeightsSink, ModuleSink
 from weightsync.core.wire import (
     ALLOWED_DTYPES,
     CastCount,
+    ClosedError,
     Manifest,
     ModelChangedError,
     Outcome,
@@ -70,6 +71,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ALLOWED_DTYPES",
     "CastCount",
+    "ClosedError",
     "LoadWeightsSink",
     "Manifest",
     "ModelChangedError",

@@ -7,7 +7,8 @@ Call order::
             ray.get(trainer.call.remote(train_step), timeout=...)
             report = ws.sync(version=step)                          # SyncReport
         ws.verify()                                                 # every worker against the trainer
-    # close() on exit: tears down groups and exports, never the actors
+    # close() on exit: tears down groups and exports, never the actors; sync() after it
+    # raises ClosedError until setup() opens it again
 
 The jobs live in their own modules: who takes part (:mod:`~weightsync.glue.membership`),
 the setup sequence (:mod:`~weightsync.glue.setup`, each transport's own steps through its
@@ -32,7 +33,7 @@ from weightsync.core import registry
 from weightsync.core.checking import compare_checksums
 from weightsync.core.policy import judge
 from weightsync.core.wire.casts import TensorCast
-from weightsync.core.wire.errors import SettingsError, SetupError, VersionError
+from weightsync.core.wire.errors import ClosedError, SettingsError, SetupError, VersionError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.report import SyncReport
@@ -127,6 +128,8 @@ class WeightSync:
         self.manifest: Manifest | None = None
         self.version: int | None = None
         self._ready = False
+        #: Set by close(): a sync or verify would set up again with nobody left to close it.
+        self._closed = False
         self._seq = 0
         self._lock = threading.Lock()
         self._metrics = SyncMetrics()
@@ -168,9 +171,19 @@ class WeightSync:
 
     # setup ------------------------------------------------------------------------------
     def setup(self) -> Manifest:
-        """Handshake with every worker and open the transports; refuses any mismatch first."""
+        """Handshake with every worker and open the transports; refuses any mismatch first.
+        After ``close()`` this opens the WeightSync again (close it again when done)."""
         with self._lock:
+            self._closed = False
             return self._set_up()
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"{self.label}: {what} after close() (its with block ended, or close() was called): it would set "
+                "the transports up again and leave them open; sync inside the with block, or call setup() to "
+                "open it again and close() it when done"
+            )
 
     def _set_up(self) -> Manifest:
         self._ready = False
@@ -195,6 +208,7 @@ class WeightSync:
         if not isinstance(check, bool):
             raise SettingsError(f"verify must be True or False, got {verify!r}")
         with self._lock:
+            self._refuse_closed(f"sync(version={version})")
             if self.version is not None and version <= self.version and not force:
                 raise VersionError(
                     f"version {version} is not newer than the last synced version {self.version}; "
@@ -255,6 +269,7 @@ class WeightSync:
         worker, the first tensor that differs.
         """
         with self._lock:
+            self._refuse_closed("verify()")
             if self.manifest is None:
                 self._set_up()
             assert self.manifest is not None
@@ -272,8 +287,10 @@ class WeightSync:
 
     # teardown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Tear down groups and exports on every live party; the actors stay up."""
+        """Tear down groups and exports on every live party; the actors stay up. A later
+        ``sync()`` or ``verify()`` raises :class:`ClosedError` until ``setup()`` is called."""
         with self._lock:
+            self._closed = True
             self._steps.teardown(why="close()")
 
     def __enter__(self) -> WeightSync:

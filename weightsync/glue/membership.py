@@ -18,6 +18,7 @@ from weightsync.core.choice import check_request
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
+from weightsync.glue.protocol import check_party
 from weightsync.glue.ranks import TrainerRanks, identity, reserved
 
 
@@ -74,6 +75,7 @@ class Membership:
         name = check_name(f"worker-{uuid.uuid4().hex[:6]}" if name is None else name)
         if name in self.members:
             raise SettingsError(f"a worker named {name!r} is already registered")
+        check_party(handle, "worker", f"worker {name!r}")
         mine = identity(handle)
         for other in self.members.values():
             if identity(other.handle) == mine:

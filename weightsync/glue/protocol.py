@@ -1,7 +1,9 @@
-"""The glue every ``ws_*`` method shares: failures turned into outcomes, the device, and the
-endpoint's description.
+"""The glue every ``ws_*`` method shares: failures turned into outcomes, the device, the
+endpoint's description, the model a mixin serves; and the check, when a WeightSync is made,
+that each party it is handed is an actor speaking this protocol.
 
-Used by :mod:`weightsync.glue.trainer_mixin` and :mod:`weightsync.glue.worker_mixin`.
+Used by :mod:`weightsync.glue.trainer_mixin`, :mod:`weightsync.glue.worker_mixin` and the
+coordinator's membership.
 """
 
 from __future__ import annotations
@@ -11,10 +13,26 @@ from typing import Any
 
 import ray
 import torch
+from torch import nn
 
 from weightsync.core.placement import describe_here
+from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.core.wire.outcome import Outcome, failed, ok
+
+#: Per role, the methods the coordinator calls first, and what to pass instead of a party without them.
+_ROLES = {
+    "trainer": (
+        ("ws_describe", "ws_manifest", "ws_send", "ws_teardown"),
+        "weightsync.TrainerActor.remote(model_factory) (the factory builds the model inside the actor), or an "
+        "actor of your own class that mixes in weightsync.TrainerMixin and sets self.model",
+    ),
+    "worker": (
+        ("ws_describe", "ws_accept", "ws_receive", "ws_teardown"),
+        "weightsync.WorkerActor.remote(model_factory), a weightsync.vllm engine actor, or an actor of your own "
+        "class that mixes in weightsync.WorkerMixin and sets self.model",
+    ),
+}
 
 
 def answer(party: str, phase: str, fn: Callable[..., Any], *args: Any) -> Outcome:
@@ -43,3 +61,37 @@ def describe(device: torch.device, allows_direct: bool) -> EndpointInfo:
         node_id=ray.get_runtime_context().get_node_id(),
         node_ip=ray.util.get_node_ip_address(),
     )
+
+
+def model_of(actor: object, mixin: str) -> nn.Module:
+    """``actor.model``, what a mixin serves unless ``weightsync_model()`` is overridden;
+    :class:`SettingsError` naming the actor's class and what to set when it is not a module."""
+    model = getattr(actor, "model", None)
+    if isinstance(model, nn.Module):
+        return model
+    found = "no self.model" if model is None else f"a self.model of type {type(model).__name__}, not an nn.Module"
+    raise SettingsError(
+        f"{type(actor).__name__} mixes in {mixin} but has {found}: set self.model to the model in its __init__, "
+        "or override weightsync_model() to return it"
+    )
+
+
+def check_party(handle: Any, role: str, name: str) -> None:
+    """Refuse, naming party ``name`` and what to pass, a ``handle`` that cannot be a ``role``
+    ("trainer" or "worker") party: a model instead of an actor, an actor class that was never
+    started, or an actor whose class lacks the protocol. Anything else (a stand-in) passes."""
+    methods, instead = _ROLES[role]
+    if isinstance(handle, nn.Module):
+        what = f"a {type(handle).__name__} (an nn.Module), not an actor"
+    elif isinstance(handle, ray.actor.ActorClass):
+        what = "an actor class, not an actor: start it with .remote(...)"
+    elif isinstance(handle, ray.actor.ActorHandle):
+        missing = [m for m in methods if not hasattr(handle, m)]
+        if not missing:
+            return
+        descriptor = getattr(handle, "_ray_actor_creation_function_descriptor", None)
+        cls = str(getattr(descriptor, "class_name", "its class")).rsplit(".", 1)[-1]  # a qualname
+        what = f"an actor of class {cls}, which lacks the {role} protocol ({', '.join(missing)})"
+    else:
+        return
+    raise SettingsError(f"{name} is {what}; pass {instead}")

@@ -35,6 +35,7 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome, failed
 from weightsync.core.wire.session import TRAINER_PARTY
+from weightsync.glue.protocol import check_party
 
 RANK_PREFIX = "trainer-rank-"
 
@@ -93,6 +94,8 @@ class TrainerRanks:
             self.names = [f"{RANK_PREFIX}{i}" for i in range(len(self.handles))]
         else:
             self.handles, self.names = [trainer], [TRAINER_PARTY]
+        for name, handle in zip(self.names, self.handles):
+            check_party(handle, "trainer", "the trainer" if name == TRAINER_PARTY else name)
         ids = [identity(h) for h in self.handles]
         for i, ident in enumerate(ids):
             if ident in ids[:i]:

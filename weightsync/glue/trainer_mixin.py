@@ -29,7 +29,7 @@ from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
-from weightsync.glue.protocol import answer, describe, resolve_device
+from weightsync.glue.protocol import answer, describe, model_of, resolve_device
 
 
 class TrainerMixin:
@@ -37,7 +37,7 @@ class TrainerMixin:
     ``weightsync_model``); optionally ``self.device`` and ``self.wire_dtype``."""
 
     def weightsync_model(self) -> nn.Module:
-        return self.model  # type: ignore[attr-defined, no-any-return]
+        return model_of(self, "TrainerMixin")
 
     def weightsync_device(self) -> torch.device:
         return resolve_device(getattr(self, "device", "cpu"))

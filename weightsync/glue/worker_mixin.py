@@ -27,7 +27,7 @@ from weightsync.core.wire.messages import EndpointInfo, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
-from weightsync.glue.protocol import answer, describe, resolve_device
+from weightsync.glue.protocol import answer, describe, model_of, resolve_device
 
 
 class WorkerMixin:
@@ -37,7 +37,7 @@ class WorkerMixin:
     ``self.expect_inplace_bytes``."""
 
     def weightsync_model(self) -> nn.Module:
-        return self.model  # type: ignore[attr-defined, no-any-return]
+        return model_of(self, "WorkerMixin")
 
     def weightsync_device(self) -> torch.device:
         return resolve_device(getattr(self, "device", "cpu"))

@@ -18,6 +18,7 @@ from weightsync.core.wire.casts import CastCount, TensorCast
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.core.wire.errors import (
     ChecksumMismatch,
+    ClosedError,
     DeviceMismatch,
     ExportNotFound,
     ManifestError,
@@ -73,6 +74,7 @@ __all__ = [
     "AgreedSettings",
     "CastCount",
     "ChecksumMismatch",
+    "ClosedError",
     "Chunk",
     "ChunkPiece",
     "CudaIpcHandle",

@@ -103,6 +103,10 @@ class SessionTornDown(WeightSyncError):
     sync, ``remove_worker()``), from another thread or by another coordinator."""
 
 
+class ClosedError(WeightSyncError):
+    """A WeightSync used after ``close()`` (its ``with`` block ended); ``setup()`` opens it again."""
+
+
 class TransferError(WeightSyncError):
     """A collective failed because a peer left the group or crashed."""
 
