@@ -19,7 +19,7 @@ import torch
 from tests.catalogue import kill_and_wait
 from tests.helpers import MixedModel, perturb
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
-from weightsync import SetupError, Status, SyncError, WeightSync
+from weightsync import SettingsError, SetupError, Status, SyncError, WeightSync
 from weightsync.core.wire.messages import PushResult
 from weightsync.glue.actors import TrainerHost, WorkerHost
 
@@ -150,6 +150,13 @@ def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) 
     assert failure.value.culprits == ["loader"]
     assert "direct" in str(failure.value)
     ws.close()
+    # The failed setup reached the trainer (its manifest) but opened no push session: a push
+    # from inside the trainer says so, and not that a session "was torn down".
+    with pytest.raises(ray.exceptions.RayTaskError) as pushed:
+        get(trainer.train_and_push.remote(1))
+    said = str(pushed.value.cause)
+    assert isinstance(pushed.value.cause, SettingsError), said
+    assert "no push-mode session is open" in said and "torn down" not in said, said
 
 
 def test_push_must_be_a_bool() -> None:

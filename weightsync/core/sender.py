@@ -328,18 +328,21 @@ class WeightSender:
             half.close(abort)
 
     def close_transports(self, abort: bool = False, by: str = "") -> None:
-        """Close every half and extra; ``by`` (a coordinator's label and why) is recorded.
+        """Close every half and extra; ``by`` (a coordinator's label and why) is recorded
+        when a push session was among them.
 
         With ``abort`` the peers are told first, through each half's ``tear_down``; so are
         those of the halves a push still in flight on another thread drives, whatever
         ``abort`` says, so that push ends now rather than at its deadline. The extras (a
         pusher) close before the halves, so that push ends before the memory it reads is
         released."""
-        if by:
-            self.closed_by = by
         # An extra that drives syncs of its own (a pusher, whose ``kind`` is the transport it
-        # drives) says, as it stops, whether one is in flight.
-        pushing = {e.kind for e in self.extras.values() if callable(getattr(e, "stop", None)) and e.stop()}
+        # drives) says, as it stops, whether one is in flight. ``by`` is recorded only when
+        # there was one to tear down: a push finding none is told who closed it.
+        drivers = [e for e in self.extras.values() if callable(getattr(e, "stop", None))]
+        if by and drivers:
+            self.closed_by = by
+        pushing = {e.kind for e in drivers if e.stop()}
         extras, self.extras = self.extras, {}
         told: BaseException | None = None
         torn = [h for kind, h in self.halves.items() if abort or kind in pushing]

@@ -75,9 +75,10 @@ def pusher_of(side: TrainerSide, owner: str = "") -> Pusher:
             f"{me}: this trainer's push session was torn down by {closed_by}; run setup() (or sync()) on a "
             "WeightSync(..., push=True) from the driver before pushing again"
         )
+    last = f"its last setup, by {current}, opened none" if current else "none was opened"
     raise SettingsError(
-        f"{me}: no push-mode session is open on this trainer (set up without push=True): set it up with "
-        "WeightSync(..., push=True).setup() from the driver first"
+        f"{me}: no push-mode session is open on this trainer ({last}: set up without push=True, or the setup "
+        "failed): set it up with WeightSync(..., push=True).setup() from the driver first"
     )
 
 
