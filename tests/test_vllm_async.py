@@ -101,6 +101,9 @@ def assert_held_off_within(report: SyncReport, wall: float) -> None:
 
 
 def test_the_engine_serves_concurrent_requests_from_its_checkpoint(engine: Any, checkpoint: str) -> None:
+    # First, one prompt of one token (the SIGILL case of weightsync/vllm/amx.py).
+    (first,) = get(engine.generate.remote(["the"], greedy(2)))
+    assert len(first.prompt_token_ids) == 1 and len(first.outputs[0].token_ids) == 2
     outs = get(engine.generate.remote(vm.PROMPTS, greedy(4)))
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
     import transformers

@@ -51,6 +51,7 @@ from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.glue.actors import WORKER_PROTOCOL
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
+from weightsync.vllm.deaths import died
 from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
@@ -198,11 +199,11 @@ class _AsyncVLLMWorker:
                 ) from None
             self._broken = f"{what} got no answer within {self.timeout_s:.0f}s"
         except EngineDeadError as exc:
-            self._broken = f"the engine died during {what}: {exc}"
+            self._broken = died(what, exc)
         except Exception as exc:
             if not self._llm.errored:
                 raise EngineCallError(f"{self.name}: {what} failed in the engine: {type(exc).__name__}: {exc}") from exc
-            self._broken = f"the engine died during {what} ({type(exc).__name__}: {exc})"
+            self._broken = died(what, exc)
         raise EngineCallError(f"{self.name}: {self._broken}")
 
     async def _rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -321,7 +322,13 @@ class _AsyncVLLMWorker:
         if unknown:
             raise WeightSyncError(f"{self.name}: no submitted request has id(s) {unknown}; collect each once")
         tasks = [self._requests.pop(i) for i in request_ids]
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), self.timeout_s))
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), self.timeout_s))
+        except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
+            self._broken = self._broken or died("generate", exc)
+            raise EngineCallError(f"{self.name}: {self._broken}") from exc
 
     async def collective_rpc(
         self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -52,6 +52,7 @@ from weightsync import TensorSpec, WeightSyncError, WorkerState
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
+from weightsync.vllm.deaths import died
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
@@ -163,7 +164,7 @@ class _VLLMWorker:
         except concurrent.futures.TimeoutError:
             self._broken = f"{method} got no answer within {self.timeout_s:.0f}s"
         except EngineDeadError as exc:
-            self._broken = f"the engine died during {method}: {exc}"
+            self._broken = died(method, exc)
         except Exception as exc:
             # A call pending when the engine died fails with a plain error ("cancelled");
             # the engine's own flag says whether that is what happened.
@@ -171,7 +172,7 @@ class _VLLMWorker:
                 raise EngineCallError(
                     f"{self.name}: {method} failed in the engine: {type(exc).__name__}: {exc}"
                 ) from exc
-            self._broken = f"the engine died during {method} ({type(exc).__name__}: {exc})"
+            self._broken = died(method, exc)
         raise EngineCallError(f"{self.name}: {self._broken}")
 
     def _engine_dead(self) -> bool:
@@ -258,7 +259,13 @@ class _VLLMWorker:
                 )
             if self._broken is not None:
                 raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
-            return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            try:
+                return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+            except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
+                self._broken = died("generate", exc)
+                raise EngineCallError(f"{self.name}: {self._broken}") from exc
 
     def collective_rpc(
         self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -28,6 +28,7 @@ import cloudpickle
 import torch
 
 from weightsync import TensorSpec, WeightSyncError
+from weightsync.vllm.amx import request_amx_tiles
 from weightsync.vllm.backend import WeightsyncTransferEngine
 from weightsync.vllm.codec import decode_call, encode_reply, failed_reply, run_call
 from weightsync.vllm.rank import RankEndpoint
@@ -97,13 +98,15 @@ class WorkerExtension:
     # setup ------------------------------------------------------------------------------
     def weightsync_setup(self, payload: bytes) -> bytes:
         """Make this rank's endpoint (extension mode): the model's ``load_weights`` inside
-        vLLM's reload lifecycle."""
+        vLLM's reload lifecycle; on CPU, first ask for the AMX tiles vLLM's attention uses."""
 
         def setup() -> None:
             info = cloudpickle.loads(payload)
             if not isinstance(info, SetupInfo):
                 raise TypeError(f"weightsync_setup takes SetupInfo bytes, got {type(info).__name__}")
             worker: Any = self
+            if torch.device(worker.device).type == "cpu":
+                request_amx_tiles()  # before the first request (amx.py says why)
             model = worker.model_runner.get_model
             self._weightsync_endpoint = RankEndpoint(
                 model=model,
