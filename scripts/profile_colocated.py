@@ -68,6 +68,12 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "scripts/profile_colocated.py needs an NVIDIA GPU (it times CUDA copies and CUDA IPC)"
+            " and torch sees none here; run it on a GPU machine"
+        )
+        raise SystemExit(2)
 
     src = PolicyFactory(args.size, 0, "cuda")()
     dst = PolicyFactory(args.size, 1, "cuda")()

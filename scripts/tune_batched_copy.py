@@ -45,6 +45,12 @@ def main() -> None:
     parser.add_argument("--unit-kib", default="8,16,32,64,128", help="KiB each block copies, comma-separated")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "scripts/tune_batched_copy.py needs an NVIDIA GPU (it times a CUDA copy kernel)"
+            " and torch sees none here; run it on a GPU machine"
+        )
+        raise SystemExit(2)
 
     device = torch.device("cuda", 0)
     sources = [t.detach() for _, t in module_tensors(PolicyFactory(args.size, 0, "cuda")())]

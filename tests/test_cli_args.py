@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from weightsync.tools.cli import build_parser
+from weightsync.core import registry
+from weightsync.core.plugin import Serving
+from weightsync.tools.cli import build_parser, demo_transports, main
 from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect
 
 
@@ -40,6 +42,10 @@ from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect
         (["bench", "--buffer-mib", "256,0"], "--buffer-mib", "0"),
         (["bench", "--sharded-ranks", "2,0"], "--sharded-ranks", "0"),
         (["bench", "--sharded-ranks", "two"], "--sharded-ranks", "two"),
+        (["demo", "--transport", "owners"], "--transport", "owners"),
+        (["demo", "--transport", "owner-writes"], "--transport", "sharded trainer"),
+        (["demo", "--transport", "rank-ipc"], "--transport", "rank-ipc"),
+        (["demo", "--transport", "bogus"], "--transport", "bogus"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_option(
@@ -163,3 +169,38 @@ def test_a_job_that_sets_its_own_pythonpath_joins_without_ours(monkeypatch: pyte
     job_env = {"working_dir": "/x", "env_vars": {"PYTHONPATH": "/my/libs"}}
     monkeypatch.setenv(JOB_CONFIG_VAR, json.dumps({"runtime_env": job_env, "metadata": {}}))
     assert _joining_env(ours) is None
+
+
+def test_demo_offers_only_the_transports_its_one_trainer_process_can_serve() -> None:
+    offered = demo_transports()
+    assert offered[0] == "auto" and {"broadcast", "ipc", "direct"} <= set(offered)
+    for name in offered[1:]:
+        assert registry.get(name).serving is not Serving.EVERY, name
+    assert not {"owners", "owner-writes", "rank-ipc"} & set(offered)
+    demo = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices["demo"]._actions if a.dest == "transport"
+    )
+    assert demo.metavar == "{" + ",".join(offered) + "}"
+
+
+def test_a_refusal_is_one_line_on_stderr_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shell that exported what `cluster env` prints for `ray job submit` runs the demo."""
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    assert main(["demo", "--steps", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("weightsync demo: error: RAY_ADDRESS=http://127.0.0.1:8265 is a job server")
+
+
+def test_doctor_prints_each_transport_under_its_own_name_once(capsys: pytest.CaptureFixture[str]) -> None:
+    for transport in registry.transports():
+        if transport.usable_here is not None:
+            for label, _ in transport.usable_here():
+                assert label.split(" ", 1)[0] == transport.name, (transport.name, label)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.split("transports:\n", 1)[1].splitlines() if line.startswith("  ")]
+    labels = [row[2:].split("  ")[0] for row in rows]  # "  <label, padded>  usable" or "... unusable: why"
+    assert len(labels) == len(set(labels)) and any(label.startswith("owner-writes") for label in labels), rows

@@ -1,4 +1,5 @@
-"""Examples that need a GPU or vLLM say so in one line at once, instead of waiting for one."""
+"""Examples and scripts that need a GPU or vLLM say so in one line at once, instead of waiting for one
+or failing deep inside torch."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_an_example_that_would_start_its_own_ray_says_no_gpu_before_starting_it(
     assert len(lines) == 1 and example[0] in lines[0] and "GPU" in lines[0], proc.stdout
     # Ray never started: it logs where its local instance runs when it does.
     assert "Ray instance" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["scripts/tune_batched_copy.py", "scripts/profile_colocated.py"])
+def test_a_gpu_script_on_a_cpu_machine_exits_2_in_one_line(script: str) -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, script, "--size", "1mb"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and script in lines[0] and "GPU" in lines[0], proc.stdout

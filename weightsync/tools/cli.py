@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from weightsync.core import registry
 from weightsync.core.choice import requests
 from weightsync.core.plugin import Serving
+from weightsync.core.wire.errors import SettingsError, WeightSyncError
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
 from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int, positive_seconds
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
@@ -25,6 +27,23 @@ from weightsync.tools.models import SIZES, PolicyFactory, train_step
 
 def _print(*parts: Any) -> None:
     print(*parts, flush=True)
+
+
+def demo_transports() -> tuple[str, ...]:
+    """What ``demo --transport`` offers: ``auto`` and every transport one trainer process can
+    serve (not those every rank of a sharded trainer serves: the demo's trainer is one)."""
+    return ("auto", *(t.name for t in registry.transports() if t.serving is not Serving.EVERY))
+
+
+def _demo_transport(value: str) -> str:
+    if value in demo_transports():
+        return value
+    if value in requests():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is served by every rank of a sharded trainer, and the demo's trainer is one process; "
+            f"choose from {', '.join(demo_transports())}"
+        )
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(demo_transports())})")
 
 
 def _actor_options(device: str, colocated: bool, parties: int) -> dict[str, Any]:
@@ -140,10 +159,14 @@ def doctor(args: argparse.Namespace) -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     _print("transports:")
-    for transport in registry.transports():
-        rows = transport.usable_here() if transport.usable_here is not None else [(transport.name, None)]
-        for label, why in rows:
-            _print(f"  {label:<30} {'usable' if why is None else 'unusable: ' + why}")
+    rows = [
+        row
+        for transport in registry.transports()
+        for row in (transport.usable_here() if transport.usable_here is not None else [(transport.name, None)])
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, why in rows:
+        _print(f"  {label:<{width}}  {'usable' if why is None else 'unusable: ' + why}")
     if gpus == 1:
         _print("  note: NCCL between trainer and workers needs them on different GPUs; one GPU means ipc/direct")
     leftovers = leftover_segments()
@@ -186,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--transport",
         default="auto",
-        choices=requests(),
+        type=_demo_transport,
+        metavar="{" + ",".join(demo_transports()) + "}",
         help="how every worker is synced; auto picks per worker (direct, ipc or broadcast)",
     )
     d.add_argument(
@@ -243,5 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; what weightsync refuses or reports as failed (a :class:`WeightSyncError`:
+    a setting, an address, a setup or sync that failed) is one line on stderr, not a traceback:
+    exit 2 for a refused setting, 1 otherwise."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except WeightSyncError as exc:
+        print(f"weightsync {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, SettingsError) else 1

@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 
+from weightsync.core.wire.errors import SettingsError
+
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: weightsync/tools/cluster.py
 LOOPBACK = "127.0.0.1"
 #: Set by Ray's job supervisor in a job's driver: the job's config, its runtime env included.
@@ -37,7 +39,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     address = address or os.environ.get("RAY_ADDRESS")
     if address and address.startswith(("http://", "https://")):
         where = "RAY_ADDRESS" if from_env else "--address"
-        raise ValueError(
+        raise SettingsError(
             f"{where}={address} is a job server's address (what `cluster env` exports for `ray job submit`), "
             "not a Ray cluster's: to run here, `unset RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN_PATH` first; "
             "to run on that head, submit the command as a job (`python -m weightsync cluster submit -- ...`); "

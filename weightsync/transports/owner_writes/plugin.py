@@ -20,13 +20,12 @@ whose tensors moved since their export)::
 from __future__ import annotations
 
 from weightsync.core.owned_plan import OwnedLayout, agreed_layout, placements
-from weightsync.core.placement import colocated_or_why
+from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
 from weightsync.core.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.transports.direct.halves import DirectTarget
 from weightsync.transports.direct.messages import DirectExport
 from weightsync.transports.direct.plugin import export_target, seal_target
-from weightsync.transports.direct.plugin import usable_here as direct_usable_here
 from weightsync.transports.owner_writes.halves import KIND, OwnerWriter, OwnerWriteTarget
 
 
@@ -83,6 +82,10 @@ def fits(trainer: EndpointInfo, worker: EndpointInfo, name: str) -> str | None:
     return None
 
 
+def usable_here() -> list[tuple[str, str | None]]:
+    return [(f"{KIND} (shared memory, CPU)", shm_reason()), (f"{KIND} (CUDA IPC)", gpu_reason())]
+
+
 OWNER_WRITES = Transport(
     name=KIND,
     open=open_owner_writes,
@@ -94,5 +97,5 @@ OWNER_WRITES = Transport(
     serving=Serving.EVERY,
     auto_rank=5,
     send_order=6,
-    usable_here=direct_usable_here,
+    usable_here=usable_here,
 )
