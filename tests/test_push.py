@@ -20,7 +20,9 @@ from tests.catalogue import kill_and_wait
 from tests.helpers import MixedModel, perturb
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
 from weightsync import SettingsError, SetupError, Status, SyncError, WeightSync
-from weightsync.core.wire.messages import PushResult
+from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.messages import PushAnswer, PushResult, SendResult
+from weightsync.core.wire.outcome import failed, ok
 from weightsync.glue.actors import TrainerHost, WorkerHost
 
 
@@ -157,6 +159,25 @@ def test_push_mode_refuses_a_worker_that_cannot_take_direct_writes(actors: Any) 
     said = str(pushed.value.cause)
     assert isinstance(pushed.value.cause, SettingsError), said
     assert "no push-mode session is open" in said and "torn down" not in said, said
+
+
+def test_a_push_result_reads_as_one_line() -> None:
+    answers = {
+        "w1": PushAnswer(outcome=ok("w1", "receive"), version=3, state="committed"),
+        "w0": PushAnswer(
+            outcome=failed("w0", "receive", WeightSyncError("w0: the bytes did not land")), version=2, state="dirty"
+        ),
+    }
+    result = PushResult(version=3, sent=ok("trainer", "send", SendResult()), workers=answers, seconds=0.0125)
+    assert result.summary() == (
+        "push of version 3 FAILED in 12.5 ms to 2 worker(s) (w0 dirty@2, w1 committed@3); "
+        "w0 (receive): WeightSyncError: w0: the bytes did not land"
+    )
+    assert repr(result) == f"PushResult({result.summary()})" and "Outcome(" not in repr(result)
+    fine = PushResult(version=4, sent=ok("trainer", "send"), workers={"w1": answers["w1"]}, seconds=0.002)
+    assert fine.summary() == "push of version 4 ok in 2.0 ms to 1 worker(s) (w1 committed@3)"
+    skipped = PushResult(version=5, sent=ok("trainer", "send"), workers={}, setup_needed=True)
+    assert "not run" in skipped.summary() and "setup()" in skipped.summary()
 
 
 def test_push_must_be_a_bool() -> None:

@@ -255,3 +255,17 @@ class PushResult:
     @property
     def ok(self) -> bool:
         return self.sent.ok and all(a.outcome.ok for a in self.workers.values())
+
+    def summary(self) -> str:
+        """One line: the version, the time, what each worker holds, and every failure."""
+        if self.setup_needed:
+            return f"push of version {self.version}: not run (an earlier push failed; run WeightSync.setup())"
+        held = ", ".join(f"{name} {a.state}@{a.version}" for name, a in sorted(self.workers.items()))
+        failed = [o.line() for o in (self.sent, *(a.outcome for a in self.workers.values())) if not o.ok]
+        return (
+            f"push of version {self.version} {'ok' if self.ok else 'FAILED'} in {self.seconds * 1e3:.1f} ms to "
+            f"{len(self.workers)} worker(s) ({held})" + "".join(f"; {line}" for line in failed)
+        )
+
+    def __repr__(self) -> str:
+        return f"PushResult({self.summary()})"
