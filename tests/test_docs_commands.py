@@ -6,7 +6,10 @@ project reads; the cheap ones (`--help`) are run. The docs also stay inside the 
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -117,12 +120,27 @@ def check_path(word: str, shown: Shown) -> None:
         assert list(REPO.glob(path)), f"{shown}: {path} does not exist"
 
 
-def check_weightsync_args(args: list[str], shown: Shown) -> None:
-    """Parsed by the CLI's own parser: an unknown option or a bad value fails here."""
+@functools.cache
+def tracked_files() -> frozenset[str]:
+    """The repository's tracked files (git's list; without git, every file under docs/)."""
     try:
-        build_parser().parse_args(args)
+        listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset(p.relative_to(REPO).as_posix() for p in (REPO / "docs").rglob("*") if p.is_file())
+    return frozenset(listed.stdout.splitlines())
+
+
+def check_weightsync_args(args: list[str], shown: Shown) -> None:
+    """Parsed by the CLI's own parser: an unknown option or a bad value fails here; so does
+    an output file (``--plot``, ``--json``) that would overwrite a tracked one."""
+    try:
+        parsed = build_parser().parse_args(args)
     except SystemExit as exc:
         assert exc.code == 0 and "--help" in args, f"{shown}: `weightsync {' '.join(args)}` is refused by its parser"
+        return
+    for option in ("plot", "json"):
+        out = getattr(parsed, option, None)
+        assert not (out and os.path.normpath(out) in tracked_files()), f"{shown}: --{option} overwrites tracked {out}"
 
 
 def check_script(path: str, args: list[str], shown: Shown) -> None:
@@ -236,6 +254,8 @@ def test_a_bare_interpreter_or_a_missing_file_or_option_is_caught() -> None:
         "WEIGHTSYNC_NOTHING=1 bash scripts/run.sh test",
         '.venv/bin/python -m pip install -e ".[nothing]"',
         ".venv/bin/python scripts/sync_timeline.py --no-such-flag",
+        ".venv/bin/python -m weightsync bench --sizes 1mb --quick --plot docs/bench-cpu.svg",
+        ".venv/bin/python -m weightsync demo --json README.md",
     ]
     for text in bad:
         with pytest.raises((AssertionError, SystemExit)):
@@ -263,3 +283,73 @@ def test_configuration_lists_every_environment_variable_the_project_reads() -> N
     assert {"RAY_ADDRESS", "WEIGHTSYNC_HEAD_DIR", "WEIGHTSYNC_VLLM", "PYTHON"} <= read
     missing = sorted(v for v in read if f"`{v}" not in table)
     assert not missing, f"docs/configuration.md's environment table lacks {missing}"
+
+
+def readme_python_blocks() -> list[Shown]:
+    """Every ```python block of README.md, with the line it starts on."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate((REPO / "README.md").read_text().splitlines(), 1):
+        if current is None and line.strip() == "```python":
+            current, start = [], number + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append(Shown("README.md", start, "\n".join(current) + "\n"))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+PYTHON = readme_python_blocks()
+
+
+def test_the_readme_shows_python_examples() -> None:
+    assert len(PYTHON) >= 4 and any("VLLMWorker" in block.text for block in PYTHON)
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[f"README.md:{b.line}" for b in PYTHON])
+def test_each_readme_example_binds_every_name_and_imports_what_exists(block: Shown) -> None:
+    """As written, each block runs on its own from the repository root: every name it uses is
+    bound in it (ruff's undefined-name check) and everything it imports exists."""
+    compile(block.text, str(block), "exec")
+    lint = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--isolated",
+            "--select",
+            "F821,F822",
+            "--stdin-filename",
+            "readme_example.py",
+            "-",
+        ],
+        cwd=REPO,
+        input=block.text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lint.returncode == 0, f"{block}: names used but never bound:\n{lint.stdout}"
+    for node in ast.walk(ast.parse(block.text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                assert importlib.util.find_spec(alias.name) is not None, f"{block}: no module {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert importlib.util.find_spec(node.module) is not None, f"{block}: no module {node.module}"
+            if node.module.split(".")[0] in ("weightsync", "examples"):  # vLLM's names: its own import
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
+                        f"{block}: {node.module} has no {alias.name}"
+                    )
+
+
+def test_the_readme_porting_example_runs_as_written() -> None:
+    (block,) = [b for b in PYTHON if "packed_nccl_broadcast_producer" in b.text]
+    env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.run(
+        [sys.executable, "-c", block.text], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"{block}:\n{proc.stderr[-2000:]}"
