@@ -34,6 +34,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
 
     Returns what happened, for the caller to print. Workers get this source tree on their
     ``PYTHONPATH`` so ``python -m weightsync`` works from a checkout without installing.
+    Actors' output is not copied to this terminal (``log_to_driver=False``): it stays in
+    Ray's log files, ``/tmp/ray/session_latest/logs/worker-*.out`` and ``.err`` on each node
+    (docs/troubleshooting.md). A job server's ``http://`` address is refused
+    (:class:`SettingsError`), naming where it came from.
     """
     from_env = not address
     address = address or os.environ.get("RAY_ADDRESS")
