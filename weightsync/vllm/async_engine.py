@@ -149,7 +149,12 @@ class _AsyncVLLMWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
+            self._broken = f"it did not start: {died('start', exc)}"
+            self._sockets.release()
+            raise EngineCallError(f"{self.name}: the vLLM engine {self._broken}") from exc
         try:
             specs = self._specs
             if specs is None and self._check_model:

@@ -31,7 +31,7 @@ _CAUSE = re.compile(
 _EXIT_CODE = re.compile(r"exit code:? (-\d+)")
 #: How much of each log's end is read, and how long a quoted line may be.
 _TAIL_BYTES = 256 * 1024
-_LINE_CHARS = 300
+_LINE_CHARS = 500
 
 
 def log_files() -> list[str]:
@@ -88,5 +88,6 @@ def death_note(paths: list[str] | None = None, lines: int = 8) -> str:
 
 
 def died(what: str, exc: BaseException, paths: list[str] | None = None) -> str:
-    """Why an engine is unusable after it died during ``what``, with :func:`death_note`."""
+    """Why an engine is unusable after it died during ``what`` (or failed to ``start``), with
+    :func:`death_note`."""
     return f"the engine died during {what} ({type(exc).__name__}: {exc}); {death_note(paths)}"

@@ -114,7 +114,10 @@ class _VLLMWorker:
         self._routing = PartRouting(1)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
         try:
-            self.llm = LLM(**llm_kwargs)
+            try:
+                self.llm = LLM(**llm_kwargs)
+            except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
+                raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
             if expected_specs is None and check_model:
                 expected_specs = engine_specs(name, self.llm.llm_engine.vllm_config)
             specs = tuple(expected_specs) if expected_specs is not None else None
