@@ -56,9 +56,9 @@ class WeightSync:
     ``transport``: "auto" (per worker, the registry's best fit: with the built-ins, same
     device -> "direct" when its sink allows it, else "ipc"; otherwise "broadcast"), the name
     of a registered transport (:mod:`weightsync.core.registry`), or a mapping of worker name
-    to either (a worker the mapping leaves out gets "auto"). ``settings`` (or the same fields as keywords, which win) fix the buffers, the
-    timeout and per-sync verification; the trainer's copy is sent to every worker in the
-    handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push`` (one trainer,
+    to either (a worker the mapping leaves out gets "auto"). ``settings`` (or the same fields
+    as keywords, which win) fix the buffers, the timeout and per-sync verification; the
+    trainer's copy is sent to every worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push`` (one trainer,
     every worker direct): workers listen for syncs instead of taking a Ray call each, so a
     sync is one call to the trainer, and the trainer may also sync from inside its own
     methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.transports.push.pusher`.

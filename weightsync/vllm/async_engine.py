@@ -152,9 +152,7 @@ class _AsyncVLLMWorker:
         try:
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
-            self._broken = f"it did not start: {died('start', exc)}"
-            self._sockets.release()
-            raise EngineCallError(f"{self.name}: the vLLM engine {self._broken}") from exc
+            raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
         try:
             specs = self._specs
             if specs is None and self._check_model:
