@@ -29,6 +29,7 @@ from torch import nn
 
 from weightsync.core.checking import check_destination
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
+from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
 from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.wire.casts import TensorCast
@@ -59,6 +60,11 @@ class WeightReceiver:
         expect_inplace_bytes: int | None = None,
     ) -> None:
         self.sink: Sink = ModuleSink(sink) if isinstance(sink, nn.Module) else sink
+        #: The sink given here; a session whose Manifest carries a LoRA adapter receives into
+        #: the sink :func:`~weightsync.core.lora.sink.session_sink` picks instead, made by
+        #: ``adapter_sink`` when set (None: a ModuleSink of a PEFT model takes it, else refused).
+        self.model_sink = self.sink
+        self.adapter_sink: AdapterSinkFactory | None = None
         self._device = torch.device(device)
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
@@ -96,12 +102,14 @@ class WeightReceiver:
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
         manifest.validate()
         manifest.check_buffer_expectations(self.name, *self._expect)
-        local = self.sink.local_specs()
+        sink = session_sink(self.model_sink, manifest, self.name, self.adapter_sink)
+        local = sink.local_specs()
         casts: tuple[TensorCast, ...] = ()
         if local is not None:
-            casts = manifest.check_against(local, self.name, bool(getattr(self.sink, "casts_on_load", False)))
+            casts = manifest.check_against(local, self.name, bool(getattr(sink, "casts_on_load", False)))
         session = Session(manifest=manifest, party=self.name, server=server, timeout_s=timeout_s)
         self.close_transports()
+        self.sink = sink
         self._session = session
         self.casts = casts
         return casts

@@ -27,6 +27,7 @@ from weightsync.core.halves import Rider, SendHalf, Sources, abort_each, shed_tr
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.riders import RiddenTensors
 from weightsync.core.sinks import TensorPaths, module_tensors
+from weightsync.core.wire.adapter import AdapterConfig
 from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
@@ -49,7 +50,9 @@ class WeightSender:
 
     ``wire_dtype`` casts floating tensors on the wire (fp32 master weights sent as bf16);
     the cast happens inside the copy into the buffer, so it costs no extra pass. A general
-    ``transform(name, tensor)`` runs per sync instead and may allocate.
+    ``transform(name, tensor)`` runs per sync instead and may allocate. ``adapter``, with a
+    ``source`` of a LoRA adapter's tensors: what they mean, read at each setup into the
+    Manifest (:mod:`weightsync.core.lora`).
     """
 
     model: nn.Module | None = None
@@ -58,6 +61,7 @@ class WeightSender:
     wire_dtype: torch.dtype | None = None
     transform: Transform | None = None
     name: str = TRAINER_PARTY
+    adapter: Callable[[], AdapterConfig] | None = None
 
     def __post_init__(self) -> None:
         if self.model is None and self.source is None:
@@ -101,6 +105,7 @@ class WeightSender:
         self.owner, self.closed_by = owner, ""
         self._paths = None
         self._checked_key = None
+        adapter = self.adapter() if self.adapter is not None else None  # before the tensors, which check it
         specs = self.specs()
         if hints is None:
             hints = BufferHints(device=self.device.type, free_bytes=_known(free_memory_bytes(self.device)))
@@ -108,6 +113,8 @@ class WeightSender:
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
         manifest = Manifest.build(specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes)
+        if adapter is not None:
+            manifest = replace(manifest, adapter=adapter)
         self._session = Session(manifest=manifest, party=self.name, server=self.name, timeout_s=settings.timeout_s)
         return manifest
 

@@ -61,7 +61,9 @@ class WeightSync:
     trainer's copy is sent to every worker in the handshake. ``backend`` forces "gloo" or "nccl" for broadcast. ``push`` (one trainer,
     every worker direct): workers listen for syncs instead of taking a Ray call each, so a
     sync is one call to the trainer, and the trainer may also sync from inside its own
-    methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.transports.push.pusher`.
+    methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.transports.push.pusher`. ``lora``:
+    the trainer's model is a PEFT model and only its LoRA adapter travels (its config is
+    agreed in the handshake; see :mod:`weightsync.core.lora`).
 
     ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast
@@ -86,6 +88,7 @@ class WeightSync:
         backend: str | None = None,
         worker_ranks: Mapping[str, int] | None = None,
         push: bool = False,
+        lora: bool | None = None,
     ) -> None:
         base = settings if settings is not None else SyncSettings()
         if not isinstance(base, SyncSettings):
@@ -98,6 +101,7 @@ class WeightSync:
             timeout_s=timeout_s,
             verify=verify,
             gather_bytes=gather_bytes,
+            lora=lora,
         )
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")

@@ -54,4 +54,6 @@ def build_report(
         workers=workers,
         verified=verified,
         send_seconds=sent.seconds,
+        sent_bytes=total,
+        adapter=manifest.adapter.summary() if manifest.adapter is not None else "",
     )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from weightsync.core import registry
+from weightsync.core.lora.source import send_adapter
 from weightsync.core.plugin import Plugin
 from weightsync.core.policy import judge
 from weightsync.core.sender import WeightSender
@@ -78,13 +79,15 @@ class TrainerMixin:
         """The manifest of the model as it is now, which starts this party's Session;
         ``party``/``ranks``: this rank's name and every rank's, in rank order (a sharded
         trainer checks it was given its mesh's order); ``hints``: what
-        ``buffer_bytes="auto"`` is sized from; ``owner``: the coordinator's label."""
+        ``buffer_bytes="auto"`` is sized from; ``owner``: the coordinator's label. With
+        ``settings.lora`` the manifest is the PEFT model's adapter (:mod:`weightsync.core.lora`)."""
 
         def build() -> Manifest:
             sender = self._ws()
             if isinstance(sender, ShardedSender):
                 sender.bind(party, ranks)
             sender.name = party
+            send_adapter(sender, settings.lora)
             return sender.manifest(settings, hints, owner)
 
         return answer(party, "manifest", build)

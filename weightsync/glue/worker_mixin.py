@@ -34,7 +34,9 @@ class WorkerMixin:
     """Weight-sync methods for an inference worker actor. Needs ``self.model`` (or override
     ``weightsync_model``); set ``self.weightsync_sink`` to a Sink to load another way, and
     optionally ``self.expect_buffer_bytes`` / ``self.expect_num_buffers`` /
-    ``self.expect_inplace_bytes``."""
+    ``self.expect_inplace_bytes``. A LoRA sync (``lora=True``) lands in the model's PEFT
+    adapter, or where ``self.weightsync_adapter_sink(manifest, who)`` says (an
+    :data:`~weightsync.core.lora.sink.AdapterSinkFactory`)."""
 
     def weightsync_model(self) -> nn.Module:
         return model_of(self, "WorkerMixin")
@@ -55,6 +57,7 @@ class WorkerMixin:
                 getattr(self, "expect_inplace_bytes", None),
             )
             receiver.part = getattr(self, "weightsync_part", (0, 1))
+            receiver.adapter_sink = getattr(self, "weightsync_adapter_sink", None)
             self._ws_receiver = receiver
         return receiver
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from weightsync.core.wire.adapter import AdapterConfig
 from weightsync.core.wire.casts import CASTABLE, TensorCast, castable
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_name
 from weightsync.core.wire.errors import ManifestError, SettingsError
@@ -27,8 +28,9 @@ from weightsync.core.wire.settings import (
     check_buffer_settings,
 )
 
-#: 3: the Manifest carries the in-place threshold and the broadcast plan.
-PROTOCOL_VERSION = 3
+#: 3: the Manifest carries the in-place threshold and the broadcast plan; 4: and, for a
+#: LoRA sync, the adapter's config.
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +115,8 @@ class Manifest:
 
     Two plans: ``chunks`` packs every tensor (ipc slots; direct uses :meth:`region_layout`);
     ``broadcast_chunks`` sends tensors of at least ``agreed.inplace_bytes`` in place and
-    packs the rest (:func:`plan_broadcast`).
+    packs the rest (:func:`plan_broadcast`). ``adapter``: set when the specs are a LoRA
+    adapter's tensors (``WeightSync(lora=True)``), what they mean (:mod:`~weightsync.core.wire.adapter`).
     """
 
     specs: tuple[TensorSpec, ...]
@@ -122,6 +125,7 @@ class Manifest:
     broadcast_chunks: tuple[Chunk, ...]
     total_bytes: int
     protocol_version: int = PROTOCOL_VERSION
+    adapter: AdapterConfig | None = None
 
     @classmethod
     def build(
@@ -201,6 +205,12 @@ class Manifest:
                 f"protocol version mismatch: the trainer speaks {self.protocol_version}, this "
                 f"worker speaks {PROTOCOL_VERSION}; install the same weightsync version on both"
             )
+        if self.adapter is not None:
+            if not isinstance(self.adapter, AdapterConfig):
+                raise ManifestError(
+                    f"the manifest's adapter must be an AdapterConfig, got {type(self.adapter).__name__}"
+                )
+            replace(self.adapter)  # runs the checks that unpickling skipped
         try:
             if not isinstance(self.agreed, AgreedSettings):
                 raise SettingsError(f"agreed settings must be AgreedSettings, got {type(self.agreed).__name__}")

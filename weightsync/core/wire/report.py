@@ -48,6 +48,12 @@ class SyncReport:
     #: ``seconds`` is Ray hand-offs and bookkeeping.
     send_seconds: float = 0.0
     inplace: int = 0
+    #: Bytes of tensor data that crossed to each worker in this sync (every worker got the
+    #: same); with ``lora=True`` only the adapter's, the base model's never.
+    sent_bytes: int = 0
+    #: The adapter this sync sent, as ``AdapterConfig.summary()`` says it ("LoRA r=8 ..."),
+    #: or "" for a sync of the whole model.
+    adapter: str = ""
 
     @property
     def held_off_s(self) -> float | None:
@@ -66,7 +72,7 @@ class SyncReport:
         lossy = [f"{w.name} {c.line()}" for w in self.workers for c in w.casts if c.loses]
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
-            f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
+            f"{f'{self.adapter} adapter, ' if self.adapter else ''}{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
             f"{'; lossy casts on load: ' + '; '.join(lossy) if lossy else ''}"

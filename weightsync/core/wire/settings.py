@@ -108,6 +108,12 @@ class SyncSettings:
     None: as large as one buffer. Set it to keep gathers small under a large transfer
     buffer; each rank's own, not part of the Manifest."""
 
+    lora: bool = False
+    """Send only the trainer's PEFT LoRA adapter (the active one), not the model: its
+    config goes to every worker in the Manifest, which refuses one it cannot serve. A
+    module worker must hold the same PEFT model; a vLLM engine needs ``enable_lora=True``.
+    See :mod:`weightsync.core.lora`."""
+
     def __post_init__(self) -> None:
         check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes, auto=True)
         if self.gather_bytes is not None and (
@@ -117,6 +123,8 @@ class SyncSettings:
         object.__setattr__(self, "timeout_s", check_timeout(self.timeout_s))
         if not isinstance(self.verify, bool):
             raise SettingsError(f"verify must be True or False, got {self.verify!r}")
+        if not isinstance(self.lora, bool):
+            raise SettingsError(f"lora must be True or False, got {self.lora!r}")
 
     def with_overrides(self, **overrides: Any) -> SyncSettings:
         """A copy with the given fields replaced (None means keep); unknown names are refused."""
