@@ -193,3 +193,81 @@ def tp_shard(
         else:
             out[name] = t
     return out
+
+
+# --- LoRA: a PEFT trainer of the checkpoint, and next-token log-probs ---------------------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_llama(path: str, seed: int = 1, r: int = 8, alpha: float = 16.0) -> nn.Module:
+    """The checkpoint's model in fp32 (its bf16 weights exactly, the engine's base) with a
+    LoRA adapter on every linear layer of the decoder; lora_B starts random from ``seed``
+    (PEFT starts it at zero), so the adapter changes the model before any training."""
+    import peft
+    import transformers
+
+    base = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def prompt_prefixes(path: str) -> list[list[int]]:
+    """Every prefix of each prompt, as token ids: the next-token log-probs after each are
+    the prompt's log-probs (and, after the whole prompt, those of what would follow it)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    out = []
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        out += [ids[:k] for k in range(1, len(ids) + 1)]
+    return out
+
+
+def next_token_logprobs(model: nn.Module, prefixes: list[list[int]]) -> list[torch.Tensor]:
+    """Per prefix, log p(every token | prefix), with the model's weights (its adapter's too)
+    cast to bf16 and computed in fp32."""
+    import copy
+
+    ref = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32).eval()
+    with torch.no_grad():
+        return [torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1) for ids in prefixes]
+
+
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's adapter as PEFT saves it, copied."""
+    import peft
+
+    return {n: t.clone() for n, t in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+
+
+def train_adapter(model: nn.Module, step: int) -> float:
+    """A few SGD steps towards one sentence (only the adapter has gradients)."""
+    from transformers import AutoTokenizer
+
+    from examples.vllm_rlhf import TARGET, train_towards
+
+    tok = AutoTokenizer.from_pretrained(model.base_model.model.name_or_path)  # type: ignore[union-attr]
+    return train_towards(model, tok(TARGET)["input_ids"], steps=3, lr=0.3 + 0.1 * step)
+
+
+def fail_adapter_receive_once(worker: Any) -> None:
+    """The next sync's receive fails on this rank once its first tensors reached the sink
+    (as a transfer that breaks midway would); the sink works again afterwards."""
+    sink = worker._weightsync_ep()._ws_receiver.sink
+    consume = sink.consume
+
+    def failing(items: list[tuple[str, torch.Tensor]]) -> None:
+        consume(items)
+        del sink.consume
+        raise RuntimeError(f"the adapter's transfer broke after {len(items)} tensors (injected by the test)")
+
+    sink.consume = failing

@@ -31,9 +31,9 @@ Outputs generated entirely after a sync come from its weights, and the engine re
 version (``weight_version()``; vLLM's ``update_weight_version`` before resuming). The
 seconds from pause to resume go back with the sync's answer
 (:attr:`WorkerReport.held_off_s <weightsync.core.wire.report.WorkerReport.held_off_s>`;
-:meth:`last_hold` adds the requests in flight at the pause). The worker extension, TP relay
-and timeouts are those of :class:`~weightsync.vllm.VLLMWorker`; the native backend path is
-not offered here.
+:meth:`last_hold` adds the requests in flight at the pause). The worker extension, TP relay,
+timeouts and LoRA syncs are those of :class:`~weightsync.vllm.VLLMWorker` (``submit`` and
+``generate`` use the synced adapter); the native backend path is not offered here.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
+from weightsync.vllm.served import SYNCED, AsyncAdapterReport, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
 
 log = logging.getLogger("weightsync")
@@ -88,7 +89,7 @@ def _check_mode(mode: str) -> str:
 
 
 @forward_worker_protocol_async
-class _AsyncVLLMWorker:
+class _AsyncVLLMWorker(AsyncAdapterReport):
     def __init__(
         self,
         *,
@@ -125,6 +126,7 @@ class _AsyncVLLMWorker:
         self._requests: dict[str, asyncio.Task[Any]] = {}
         self._routing = PartRouting(1)
         self._version: int | None = None  # the version last given to vLLM
+        self._served = ServedAdapter(name)
 
     async def start(self) -> int:
         """Start the engine unless it runs; returns the actor's pid. The coordinator's first
@@ -238,6 +240,7 @@ class _AsyncVLLMWorker:
                 finally:
                     self._routing.forwarded(method, every)
                 value, state = answer(method, replies, every, self.name)
+                self._served.forwarded(method, args, value, state)
                 await self._after(state)
             except BaseException:
                 try:
@@ -273,25 +276,29 @@ class _AsyncVLLMWorker:
         return seconds
 
     # for users ------------------------------------------------------------------------------
-    async def generate(self, prompts: Any, sampling_params: Any = None) -> list[Any]:
-        """Every prompt's final ``RequestOutput``, in order (the prompts run concurrently)."""
-        ids = await self.submit(prompts, sampling_params, wait_first=False)
+    async def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> list[Any]:
+        """Every prompt's final ``RequestOutput``, in order (run concurrently); ``lora_request``: see :meth:`submit`."""
+        ids = await self.submit(prompts, sampling_params, wait_first=False, lora_request=lora_request)
         return await self.collect(ids)
 
-    async def submit(self, prompts: Any, sampling_params: Any = None, wait_first: bool = True) -> list[str]:
+    async def submit(
+        self, prompts: Any, sampling_params: Any = None, wait_first: bool = True, lora_request: Any = SYNCED
+    ) -> list[str]:
         """Start one request per prompt and return their ids for :meth:`collect`; with
-        ``wait_first``, once every request has its first output (so each is in flight)."""
+        ``wait_first``, once every request has its first output (so each is in flight);
+        ``lora_request`` as :meth:`VLLMWorker.generate <weightsync.vllm.VLLMWorker.generate>`'s."""
         from vllm import SamplingParams
 
         llm = await self._engine()
         if self._broken is not None:
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         params = sampling_params if sampling_params is not None else SamplingParams()
+        adapter = self._served.request(lora_request)
         ids, firsts = [], []
         for prompt in [prompts] if isinstance(prompts, str) else list(prompts):
             request_id = f"weightsync-{uuid.uuid4().hex}"
             first = asyncio.Event()
-            self._requests[request_id] = asyncio.create_task(self._run(llm, prompt, params, request_id, first))
+            self._requests[request_id] = asyncio.create_task(self._run(llm, prompt, params, request_id, first, adapter))
             ids.append(request_id)
             firsts.append(first)
         if wait_first:
@@ -309,10 +316,10 @@ class _AsyncVLLMWorker:
         return ids
 
     @staticmethod
-    async def _run(llm: Any, prompt: Any, params: Any, request_id: str, first: asyncio.Event) -> Any:
+    async def _run(llm: Any, prompt: Any, params: Any, request_id: str, first: asyncio.Event, adapter: Any) -> Any:
         final = None
         try:
-            async for out in llm.generate(prompt, params, request_id):
+            async for out in llm.generate(prompt, params, request_id, lora_request=adapter):
                 final = out
                 first.set()
         finally:

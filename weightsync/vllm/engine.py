@@ -24,7 +24,10 @@ reload is half done; the coordinator's calls run in a concurrency group of their
 (:attr:`WorkerReport.held_off_s <weightsync.core.wire.report.WorkerReport.held_off_s>`;
 :meth:`last_hold`). Once a sync commits a new version, the prefix cache (built from the
 old weights) is reset and the version goes to vLLM (``set_weight_version``), so vLLM's
-outputs carry it. For vLLM's ``AsyncLLM``, which pauses and resumes generation instead,
+outputs carry it. With ``lora=True`` the engine (started with ``enable_lora=True``) takes the
+trainer's LoRA adapter instead of its weights, as its synced adapter, which ``generate``
+uses unless told otherwise (:mod:`weightsync.vllm.served`; :meth:`adapter` reports it and its
+version). For vLLM's ``AsyncLLM``, which pauses and resumes generation instead,
 see :class:`~weightsync.vllm.AsyncVLLMWorker`.
 
 Every call into the engine is bounded by ``timeout_s``: one that does not answer, or an
@@ -57,6 +60,7 @@ from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
 from weightsync.vllm.plugin import BACKEND
+from weightsync.vllm.served import SYNCED, AdapterInfo, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
@@ -112,6 +116,7 @@ class _VLLMWorker:
         self._rank_pids: list[int] = []
         self._staged = stage_updates
         self._routing = PartRouting(1)
+        self._served = ServedAdapter(name)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
         try:
             try:
@@ -222,6 +227,7 @@ class _VLLMWorker:
                 finally:
                     self._routing.forwarded(method, every)
                 value, state = answer(method, replies, every, self.name)
+                self._served.forwarded(method, args, value, state)
                 self._after(state)
             except BaseException:
                 self._release("failed", method)
@@ -250,9 +256,10 @@ class _VLLMWorker:
             self.llm.llm_engine.set_weight_version(str(version))
 
     # for users ------------------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: Any = None) -> Any:
+    def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> Any:
         """vLLM's ``LLM.generate``; never runs during a sync (it waits for the sync's commit,
-        up to ``timeout_s``)."""
+        up to ``timeout_s``). ``lora_request``: ``"synced"`` (the default) uses the adapter
+        synced with ``lora=True``, if any; None the base model; a ``LoRARequest`` that one."""
         with self._lock:
             if not self._idle.wait_for(lambda: not self._hold.open, timeout=self.timeout_s):
                 raise EngineCallError(
@@ -264,8 +271,9 @@ class _VLLMWorker:
                 raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
             from vllm.v1.engine.exceptions import EngineDeadError
 
+            request = self._served.request(lora_request)
             try:
-                return self.llm.generate(prompts, sampling_params, use_tqdm=False)
+                return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=request)
             except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
                 self._broken = died("generate", exc)
                 raise EngineCallError(f"{self.name}: {self._broken}") from exc
@@ -309,6 +317,12 @@ class _VLLMWorker:
         """The last sync's hold of generation (None before the first sync)."""
         with self._lock:
             return self._hold.last
+
+    def adapter(self) -> AdapterInfo | None:
+        """The synced LoRA adapter ``generate`` uses by default, with its version (None
+        before the first committed LoRA sync)."""
+        with self._lock:
+            return self._served.info
 
     def weight_version(self) -> str:
         return str(self.llm.llm_engine.engine_core.get_weight_version())

@@ -117,6 +117,7 @@ class WorkerExtension:
                 relay=tp_relay(torch.device(worker.device)),
                 name=info.name,
                 staged=info.staged,
+                runner=lambda: worker.model_runner,
             )
 
         return run_call(setup, lambda: None)

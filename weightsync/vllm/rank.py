@@ -5,6 +5,11 @@ or by the native backend). It is a :class:`~weightsync.glue.actors.WorkerMixin`,
 every method of the coordinator's protocol, whatever that set is; its sink hands tensors
 to the model's own ``load_weights`` (Hugging Face names in; vLLM fuses and shards).
 
+A session whose Manifest carries a LoRA adapter (``lora=True``) loads nothing into the
+model: the receiver takes the adapter into a staged sink (:meth:`RankEndpoint.weightsync_adapter_sink`),
+and at the commit each rank installs it as the engine's synced adapter (``lora.py``); the
+base weights and the reload lifecycle are left alone.
+
 The reload lifecycle brackets one update: it begins lazily, on the first tensor batch a
 call loads, and ends once the receiver has left ``receiving`` (committed or dirty), so a
 sync split over several calls (receive, then commit) loads inside one bracket, and calls
@@ -24,15 +29,18 @@ from typing import Any
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
-from weightsync.core.sinks import LoadWeightsSink
+from weightsync.core.sinks import LoadWeightsSink, Sink
+from weightsync.core.wire.manifest import Manifest
 from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin
 from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
+from weightsync.vllm.lora import EngineAdapter
 from weightsync.vllm.relay import Finish, RelayLoadError, TpRelay
 
 
 class RankEndpoint(WorkerMixin):
     """``model`` and ``begin``/``end`` are callables so the native backend can retarget
-    them (vLLM's ``set_weight_update_target``) without a new endpoint."""
+    them (vLLM's ``set_weight_update_target``) without a new endpoint. ``runner``: the
+    vLLM worker's model runner, where its LoRA manager lives (None: adapters refused)."""
 
     def __init__(
         self,
@@ -44,6 +52,7 @@ class RankEndpoint(WorkerMixin):
         relay: TpRelay | None,
         name: str,
         staged: bool = False,
+        runner: Callable[[], Any] | None = None,
     ) -> None:
         self._model = model
         self.device = device
@@ -72,6 +81,21 @@ class RankEndpoint(WorkerMixin):
         self.weightsync_sink = LoadWeightsSink(
             self._load, copies_immediately=False, expected_specs=expected_specs, staged=staged
         )
+        self.lora = EngineAdapter(runner, expected_specs, name)
+
+    def weightsync_adapter_sink(self, manifest: Manifest, who: str) -> Sink:
+        """Where a LoRA sync lands on this rank (the receiver asks at accept): a sink that keeps
+        the adapter's tensors until the sync commits, then installs them (see ``lora.py``), so
+        a sync that fails before its commit leaves the previous adapter serving."""
+        self.lora.check(manifest, who)
+        self.lora.name = who
+        return LoadWeightsSink(self._load, copies_immediately=False, staged=True)
+
+    def _adapter_session(self) -> Manifest | None:
+        """The accepted Manifest when it carries a LoRA adapter (this rank's session syncs one)."""
+        receiver = getattr(self, "_ws_receiver", None)
+        manifest = receiver.manifest if receiver is not None else None
+        return manifest if manifest is not None and manifest.adapter is not None else None
 
     @property
     def tp_rank(self) -> int:
@@ -95,6 +119,11 @@ class RankEndpoint(WorkerMixin):
         self._load_here(items)
 
     def _load_here(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        adapter = self._adapter_session()
+        if adapter is not None:
+            self.lora.install(items, adapter)
+            self.loaded += len(items)
+            return
         if not self._reloading:
             self._begin()
             self._reloading = True
