@@ -20,7 +20,10 @@ Everything is measured in one run, on one cluster, with the same actors:
   (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`);
 * with ``--vllm-tp N`` (CPU, vLLM installed): N FSDP2 ranks of a Llama of the size into a
   vLLM engine of N TP ranks, relayed by TP rank 0 and fed per rank
-  (:mod:`~weightsync.tools.bench.engine_tp`).
+  (:mod:`~weightsync.tools.bench.engine_tp`);
+* with ``--lora-rank R`` (PEFT installed): the size's policy with a LoRA adapter of rank R,
+  its adapter synced (``lora=True``) against the same policy synced whole
+  (:mod:`~weightsync.tools.bench.lora`).
 
 Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
 GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
@@ -87,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also sync a sharded trainer of N ranks into a vLLM engine of N TP ranks, relayed and fed per rank "
         "(rank-ipc); CPU, needs vLLM (default: off)",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        default=None,
+        help="also wrap each size's policy with a PEFT LoRA adapter of this rank and sync the adapter alone "
+        "(lora=True) against the whole model, per transport; needs PEFT (default: off)",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument(

@@ -18,6 +18,7 @@ from weightsync.core.wire.outcome import Status
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.engine_tp import engine_tp_cases
+from weightsync.tools.bench.lora import lora_cases
 from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
@@ -235,6 +236,8 @@ class Bench:
             print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
         elif args.vllm_tp:
             engine_tp_cases(self, size, copy_s)
+        if args.lora_rank:
+            lora_cases(self, size)
         if cuda and "naive" in args.transports:
 
             def naive() -> None:

@@ -107,7 +107,23 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
             f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
             f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
         )
-    return lines + _sharded_ratios(cases, size, receivers) + _engine_ratios(cases, size)
+    return lines + _sharded_ratios(cases, size, receivers) + _engine_ratios(cases, size) + _lora_ratios(cases, size)
+
+
+def _lora_ratios(cases: list[Case], size: str) -> list[str]:
+    """Per transport, the whole PEFT model's sync against its adapter's alone (above 1x: the
+    adapter is faster), with the share of the bytes the adapter is."""
+    lines = []
+    for adapter in (c for c in cases if c.size == size and c.name.startswith("lora ") and c.name.endswith(": adapter")):
+        prefix = adapter.name.rsplit(":", 1)[0]
+        whole = _find(cases, size, f"{prefix}: whole model")
+        if whole is not None:
+            lines.append(
+                f"{size:>6} ratio {prefix + ': adapter vs whole':<38} {whole.median / adapter.median:6.2f}x  "
+                f"({adapter.median * 1e3:.2f} ms against {whole.median * 1e3:.2f} ms; "
+                f"{adapter.model_bytes / whole.model_bytes:.2%} of the bytes)"
+            )
+    return lines
 
 
 def _engine_ratios(cases: list[Case], size: str) -> list[str]:
