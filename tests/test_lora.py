@@ -27,6 +27,7 @@ from tests.helpers import assert_bit_equal  # noqa: E402
 from weightsync import TrainerActor, WeightReceiver, WeightSender, WeightSync, WorkerActor  # noqa: E402
 from weightsync.core.lora.sink import AdapterSink  # noqa: E402
 from weightsync.core.lora.source import send_adapter  # noqa: E402
+from weightsync.core.sharded import ShardedSender  # noqa: E402
 from weightsync.core.wire import ManifestError, ModelChangedError, SettingsError, SetupError, SyncSettings  # noqa: E402
 from weightsync.core.wire.adapter import AdapterConfig  # noqa: E402
 from weightsync.tools.models import PolicyFactory, train_step  # noqa: E402
@@ -185,6 +186,8 @@ def test_the_trainer_refuses_a_model_without_one_active_lora_adapter_naming_itse
     with pytest.raises(SettingsError, match=r"2 active \(\['default', 'second'\]\)"):
         send_adapter(WeightSender(model=model), True)
     send_adapter(WeightSender(model=model), False)  # lora=False leaves a sender alone
+    with pytest.raises(SettingsError, match="trainer-rank-0: lora=True is not supported for a sharded"):
+        send_adapter(ShardedSender(model=peft_policy(0), name="trainer-rank-0"), True)
 
 
 def test_a_config_changed_after_setup_stops_the_next_sync_naming_the_field() -> None:
