@@ -156,7 +156,7 @@ class ServerClient:
     def _no_answer(self, route: str, exc: BaseException, timeout: float) -> ServerCallError:
         where = f"{self.url} ({route})"
         if isinstance(exc, TimeoutError):
-            why = f"gave no answer within {timeout:.0f}s: the server stopped answering (or is far too slow)"
+            why = f"gave no answer within {timeout:.3g}s: the server stopped answering (or is far too slow)"
         elif isinstance(exc, ConnectionRefusedError):
             why = "refused the connection: is the vLLM server running there? (docs/vllm.md shows how to start one)"
         elif isinstance(exc, ssl.SSLError):

@@ -173,6 +173,7 @@ class _ServerWorker:
     def _check_server(self) -> int:
         """The number of ranks that answer; refuses a server weightsync cannot feed, by name."""
         size = self.client.get("/get_world_size", {"include_dp": "false"}).get("world_size")
+        self.client.get("/v1/models")  # the API key: vLLM checks it there, never on the RL routes
         config = self.client.get("/server_info", {"config_format": "json"}).get("vllm_config") or {}
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         if backend != BACKEND:
