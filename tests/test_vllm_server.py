@@ -193,6 +193,7 @@ def test_closing_the_session_frees_both_ends_and_the_server_keeps_serving(
     server: LocalServer, worker: Any, checkpoint: str
 ) -> None:
     (pid,) = get(worker.connect.remote()).pids
+    (held,) = get(worker.ranks.remote())
     actor = psutil.Process(get(worker.pid.remote()))
 
     def lines() -> set[Any]:  # the reply connection, as each end holds it
@@ -204,6 +205,8 @@ def test_closing_the_session_frees_both_ends_and_the_server_keeps_serving(
     assert not lines()
     assert len(server_logprobs(server, checkpoint, prompt_ids(checkpoint)[0])) > 0
     assert get(worker.connect.remote()).pids == (pid,)  # a new session, with the same rank
+    assert len(lines()) == 1
+    assert get(worker.ranks.remote()) == [held]  # which still holds version 2, committed
 
 
 def test_a_server_killed_mid_sync_is_named(server: LocalServer, worker: Any, trainer: Any, tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from weightsync.vllm.codec import decode_call, encode_reply, failed_reply
 from weightsync.vllm.rank import RankEndpoint
 from weightsync.vllm.relay import tp_relay
 from weightsync.vllm.reload import lifecycle
-from weightsync.vllm.remote import RemoteLink
+from weightsync.vllm.remote import RemoteLink, hand_over
 
 
 @dataclass
@@ -95,6 +95,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         link = RemoteLink.accept(init_info.server) if init_info.server is not None else None
+        last = self.endpoint
         self.shutdown()  # a new init replaces the last session: its transports and link close
         self.endpoint = RankEndpoint(
             model=lambda: self.model,
@@ -105,6 +106,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             relay=tp_relay(torch.device(self.device)),
             name=link.init.name if link is not None else init_info.name,
         )
+        if last is not None:
+            hand_over(last, self.endpoint)
         if link is not None:
             link.connect(*self.endpoint.weightsync_part, updating=self.updating)
             self.link = link

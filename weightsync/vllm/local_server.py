@@ -104,11 +104,15 @@ class LocalServer:
         self.log_path = os.path.join(self.folder, "server.log")
         env = {**os.environ, **DEV_MODE, KEY_FILE_ENV: self.key_file, SOCKETS_ENV: self.folder, **self.env}
         self._since = time.time()
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        try:
+            with open(self.log_path, "wb") as log:
+                self._proc = subprocess.Popen(
+                    self.command(), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(self.folder)
+            raise
         atexit.register(self.stop)
         try:
             self._wait_ready()

@@ -93,6 +93,24 @@ def new_session() -> str:
     return secrets.token_hex(16)
 
 
+def hand_over(old: Any, new: Any) -> None:
+    """A new session's endpoint (a ``RankEndpoint``) takes over what this rank holds from the
+    last session's: its version (``dirty`` when that session was loading: its reload is
+    closed first, so the model runs again, on a mix of versions until the next sync) and
+    its counts of tensors loaded and relayed."""
+    from weightsync import WorkerState
+
+    held = old.receiver_state()
+    old.end_reload()
+    new.loaded, new.relayed, new.fed_by = old.loaded, old.relayed, old.fed_by
+    if held is None:
+        return
+    receiver = new._wr()
+    receiver.version = held[0]
+    loading = held[1] == WorkerState.RECEIVING.value
+    receiver.state = WorkerState.DIRTY if loading else WorkerState(held[1])
+
+
 def rank_of(engine: Any) -> Any:
     """Runs in a server's worker for ``ServerWorker.ranks()``: this rank's ``RankInfo``."""
     from weightsync.vllm.extension import rank_info
@@ -181,4 +199,4 @@ class RemoteLink:
             self._line = None
 
 
-__all__ = ["INIT_FIELD", "RemoteLink", "ServerInit", "new_session", "rank_of", "seal_call", "seal_init"]
+__all__ = ["INIT_FIELD", "RemoteLink", "ServerInit", "hand_over", "new_session", "rank_of", "seal_call", "seal_init"]
