@@ -3,6 +3,7 @@ sync into the server through its RL routes, ask its completions API what it lear
 
     .venv/bin/python examples/vllm_server.py       # starts a CPU server here (a tiny Llama written here)
     .venv/bin/python examples/vllm_server.py --transport broadcast
+    .venv/bin/python examples/vllm_server.py --hidden-size 1024 --layers 8   # a larger model (~130 MB bf16)
     .venv/bin/python examples/vllm_server.py --url http://127.0.0.1:8000 --model DIR --key-file FILE
 
 Without ``--url`` the example writes a tiny Llama checkpoint and a key file, starts vLLM's
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import weightsync
-from examples.vllm_rlhf import TARGET, train_towards, trainer_model, write_checkpoint
+from examples.vllm_rlhf import TARGET, sized, train_towards, trainer_model, write_checkpoint
 from weightsync.tools.cluster import connect
 from weightsync.vllm import LocalServer, ServerWorker
 
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--api-key", default=None, help="with --url: the server's --api-key, if it has one")
     parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
     parser.add_argument("--transport", choices=["auto", "ipc", "broadcast"], default="auto", help="how to sync")
+    parser.add_argument("--hidden-size", type=int, default=None, help="without --url, a larger model: its hidden size")
+    parser.add_argument("--layers", type=int, default=None, help="without --url, a larger model: its number of layers")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -121,7 +124,7 @@ def main() -> None:
         texts = run(args.url, args.model, args.key_file, args.api_key, args.steps, args.transport)
     else:
         with tempfile.TemporaryDirectory(prefix="weightsync-vllm-server-example-") as scratch:
-            model = str(write_checkpoint(Path(scratch) / "tiny-llama"))
+            model = str(write_checkpoint(Path(scratch) / "tiny-llama", **sized(args.hidden_size, args.layers)))
             key_file = Path(scratch) / "server.key"
             key_file.write_text(os.urandom(32).hex())
             key_file.chmod(0o600)

@@ -5,9 +5,10 @@ routes, weightsync's backend, a key file, and an API key), used by the tests in 
 the ServerWorker connects (a missing API key or another weightsync key is named), two syncs
 of a trained Hugging Face policy reach it (ipc on this host, then broadcast; verified; the
 server's completions API then returns the trainer's bf16-rounded prompt log-probs; the
-version is the server's), closing the session frees both ends, and finally the server is
-killed mid-sync (named in SyncError). The server and every process it started are gone
-after the module, whatever failed, and so is the folder of its sockets.
+version is the server's), a trainer with another model is refused by name, closing the
+session frees both ends, and finally the server is killed mid-sync (named in SyncError).
+The server and every process it started are gone after the module, whatever failed, and
+so is the folder of its sockets.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/run.sh t
 from examples.hf_transformers import sgd_step
 from tests import vllm_model as vm
 from tests.conftest import RAY_TIMEOUT
-from weightsync import WeightSync
-from weightsync.core.wire.errors import SyncError
+from weightsync import TrainerActor, WeightSync
+from weightsync.core.wire.errors import SetupError, SyncError
 from weightsync.vllm import LocalServer, ServerCallError, ServerWorker
 from weightsync.vllm.server import _ServerWorker
 
@@ -177,6 +178,19 @@ def test_two_syncs_of_a_trained_policy_reach_the_server(
     assert (rank.version, rank.state, rank.fed_by) == (2, "committed", "broadcast") and rank.loaded_tensors > 0
 
 
+def test_a_trainer_with_a_different_model_is_refused_by_name_and_the_server_keeps_serving(
+    server: LocalServer, worker: Any, pool: Any, checkpoint: str
+) -> None:
+    other = pool.add(TrainerActor.options(num_cpus=0).remote(vm.other_model, wire_dtype=torch.bfloat16))
+    before = [server_logprobs(server, checkpoint, ids) for ids in prompt_ids(checkpoint)]
+    with pytest.raises(SetupError) as err:
+        WeightSync(other, {"server": worker}, timeout_s=60).setup()
+    text = str(err.value)  # checked against the server's own checkpoint, before any byte moved
+    assert "server" in text and "model.layers.2." in text and "mlp.gate_proj.weight" in text
+    assert [server_logprobs(server, checkpoint, ids) for ids in prompt_ids(checkpoint)] == before
+    assert get(worker.version.remote()) == "2"
+
+
 def assert_held_off(worker: Any, report: Any, ended_by: str) -> None:
     (w,) = report.workers
     assert w.held_off_s is not None and 0 < w.held_off_s <= report.seconds, (w.held_off_s, report.seconds)
@@ -216,11 +230,15 @@ def test_a_server_killed_mid_sync_is_named(server: LocalServer, worker: Any, tra
     ws = WeightSync(trainer, {"server": worker}, transport="broadcast", timeout_s=60)
     ws.setup()
     get(trainer.set_gate.remote(str(gate)))  # the trainer's send waits: the server stays mid-receive
+    actor = psutil.Process(get(worker.pid.remote()))
     failure: list[BaseException] = []
     sync = threading.Thread(target=lambda: _catch(failure, ws.sync, 3))
     sync.start()
+    # Mid-sync: one of the worker's requests of this sync is in flight (its receive stays in
+    # flight until the trainer sends). Not /is_paused: the server's engine answers nothing
+    # while it runs the receive.
     deadline = time.monotonic() + RAY_TIMEOUT
-    while not is_paused(server):  # the server is in the sync from its pause on
+    while not any(c.raddr and c.raddr.port == server.port for c in actor.net_connections("tcp")):
         assert sync.is_alive() and time.monotonic() < deadline, failure
         time.sleep(0.05)
     for process in server.processes():

@@ -171,9 +171,10 @@ class Answers(http.server.BaseHTTPRequestHandler):
         route = self.path.split("?", 1)[0]
         type(self).seen.append(dict(self.headers))
         status, body = self.routes.get(route, (404, {"detail": "Not Found"}))
-        data = json.dumps(body).encode()
+        text = isinstance(body, str)  # Prometheus text, as /metrics answers
+        data = body.encode() if text else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -257,3 +258,18 @@ def test_a_server_without_the_weightsync_backend_or_with_pipeline_stages_is_refu
     parallel["pipeline_parallel_size"] = 2
     with pytest.raises(ServerCallError, match="pipeline_parallel_size.*tensor parallel ranks only"):
         worker.connect()
+
+
+def test_requests_in_flight_are_the_servers_running_and_waiting_gauges(http_server: tuple[str, type[Answers]]) -> None:
+    from weightsync.vllm.checks import requests_in_flight
+
+    url, answers = http_server
+    answers.routes["/metrics"] = (
+        200,
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n',
+    )
+    assert requests_in_flight(ServerClient(url)) == 6

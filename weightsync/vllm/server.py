@@ -49,11 +49,11 @@ from weightsync import TensorSpec, WorkerState
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.core.wire.outcome import Outcome
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
+from weightsync.vllm.checks import check_server, field, requests_in_flight
 from weightsync.vllm.client import ServerCallError, ServerClient
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
-from weightsync.vllm.plugin import BACKEND
 from weightsync.vllm.remote import INIT_FIELD, ServerInit, new_session, rank_of, seal_call, seal_init
 from weightsync.vllm.replies import RankLine, ReplyError, ReplyListener
 from weightsync.vllm.sealing import read_key
@@ -144,7 +144,7 @@ class _ServerWorker:
         return self._link
 
     def _open_link(self) -> _Link:
-        size = self._check_server()
+        size = check_server(self.client)
         host = self._reply_host or ("127.0.0.1" if self.client.loopback else ray.util.get_node_ip_address())
         listener = ReplyListener(host)
         try:
@@ -167,32 +167,9 @@ class _ServerWorker:
         if any(line.hello.updating for line in lines):  # left open by an earlier session
             self._finish(link, None)
         self._routing = PartRouting(size)
+        self._version = None  # a restarted server holds none: the next commit gives it its version
         log.info("weightsync: %s: connected to %s, %d TP rank(s)", self.name, self.url, size)
         return link
-
-    def _check_server(self) -> int:
-        """The number of ranks that answer; refuses a server weightsync cannot feed, by name."""
-        size = self.client.get("/get_world_size", {"include_dp": "false"}).get("world_size")
-        self.client.get("/v1/models")  # the API key: vLLM checks it there, never on the RL routes
-        config = self.client.get("/server_info", {"config_format": "json"}).get("vllm_config") or {}
-        backend = (config.get("weight_transfer_config") or {}).get("backend")
-        if backend != BACKEND:
-            raise ServerCallError(
-                f"{self.url} runs weight-transfer backend {backend!r}, not weightsync's: start it with "
-                f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\' (weightsync installed beside vLLM)',
-                self.url,
-                "/server_info",
-            )
-        parallel = config.get("parallel_config") or {}
-        other = {k: parallel.get(k) for k in ("pipeline_parallel_size", "data_parallel_size") if parallel.get(k) != 1}
-        if other or not isinstance(size, int) or size < 1:
-            raise ServerCallError(
-                f"{self.url} runs {other or {'world_size': size}}: a ServerWorker feeds tensor parallel ranks only "
-                "(one server per data parallel replica)",
-                self.url,
-                "/server_info",
-            )
-        return size
 
     def _drop_link(self) -> None:
         link, self._link = self._link, None
@@ -252,7 +229,7 @@ class _ServerWorker:
                 every = self._routing.every_rank(method, args)
                 payload = encode_call(Call(method, args, kwargs, every_rank=every))
                 if self._hold.begins(method):
-                    self._hold.start(in_flight=self._in_flight())
+                    self._hold.start(in_flight=requests_in_flight(self.client))
                     self._pause()
                     self._hold.paused()
                 try:
@@ -299,14 +276,6 @@ class _ServerWorker:
         return dataclasses.replace(value, value=dataclasses.replace(moved(info, link.lines[0]), parts=parts))
 
     # pause and resume -------------------------------------------------------------------------
-    def _in_flight(self) -> int:
-        """Requests running or waiting on the server (its Prometheus gauges at ``/metrics``)."""
-        total = 0.0
-        for line in self.client.text("/metrics").splitlines():
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")) and "_by_" not in line:
-                total += float(line.rsplit(" ", 1)[-1])
-        return int(total)
-
     def _pause(self) -> None:
         query = {"mode": self._hold.mode, "clear_cache": "true"}
         try:
@@ -337,7 +306,7 @@ class _ServerWorker:
     # for users --------------------------------------------------------------------------------
     def version(self) -> str:
         """The weight version the server reports (``/weight_info``; "default" before any sync)."""
-        return str(self.client.get("/weight_info").get("weight_version"))
+        return str(field(self.client, "/weight_info", "weight_version"))
 
     def weight_version(self) -> str:
         """The same as :meth:`version` (the name the engine actors use)."""
