@@ -6,7 +6,8 @@ the ServerWorker connects (a missing API key or another weightsync key is named)
 of a trained Hugging Face policy reach it (ipc on this host, then broadcast; verified; the
 server's completions API then returns the trainer's bf16-rounded prompt log-probs; the
 version is the server's), a trainer with another model is refused by name, closing the
-session frees both ends, and finally the server is killed mid-sync (named in SyncError).
+session frees both ends, a server that stops answering mid-sync is named once the sync's
+timeout runs out, and finally the server is killed mid-sync (named in SyncError).
 The server and every process it started are gone after the module, whatever failed, and
 so is the folder of its sockets.
 """
@@ -33,7 +34,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/run.sh t
 from examples.hf_transformers import sgd_step
 from tests import vllm_model as vm
 from tests.conftest import RAY_TIMEOUT
-from weightsync import TrainerActor, WeightSync
+from weightsync import Status, TrainerActor, WeightSync
 from weightsync.core.wire.errors import SetupError, SyncError
 from weightsync.vllm import LocalServer, ServerCallError, ServerWorker
 from weightsync.vllm.server import _ServerWorker
@@ -223,31 +224,59 @@ def test_closing_the_session_frees_both_ends_and_the_server_keeps_serving(
     assert get(worker.ranks.remote()) == [held]  # which still holds version 2, committed
 
 
-def test_a_server_killed_mid_sync_is_named(server: LocalServer, worker: Any, trainer: Any, tmp_path: Path) -> None:
-    """Runs last: it kills the module's server."""
-    gate = tmp_path / "gate"
+def sync_in_flight(
+    server: LocalServer, worker: Any, trainer: Any, gate: Path, timeout_s: float
+) -> tuple[WeightSync, threading.Thread, list[BaseException]]:
+    """A broadcast sync started on another thread and held in flight: the trainer's send
+    waits for ``gate`` while the worker's requests of the sync run (its receive stays in
+    flight until the trainer sends). Not told by /is_paused: the server's engine answers
+    nothing while it runs the receive."""
     get(trainer.call.remote(sgd_step, 3))
-    ws = WeightSync(trainer, {"server": worker}, transport="broadcast", timeout_s=60)
+    ws = WeightSync(trainer, {"server": worker}, transport="broadcast", timeout_s=timeout_s)
     ws.setup()
-    get(trainer.set_gate.remote(str(gate)))  # the trainer's send waits: the server stays mid-receive
+    get(trainer.set_gate.remote(str(gate)))
     actor = psutil.Process(get(worker.pid.remote()))
     failure: list[BaseException] = []
     sync = threading.Thread(target=lambda: _catch(failure, ws.sync, 3))
     sync.start()
-    # Mid-sync: one of the worker's requests of this sync is in flight (its receive stays in
-    # flight until the trainer sends). Not /is_paused: the server's engine answers nothing
-    # while it runs the receive.
     deadline = time.monotonic() + RAY_TIMEOUT
     while not any(c.raddr and c.raddr.port == server.port for c in actor.net_connections("tcp")):
         assert sync.is_alive() and time.monotonic() < deadline, failure
         time.sleep(0.05)
+    return ws, sync, failure
+
+
+def test_a_server_that_stops_answering_mid_sync_is_named(
+    server: LocalServer, worker: Any, trainer: Any, tmp_path: Path
+) -> None:
+    ws, sync, failure = sync_in_flight(server, worker, trainer, tmp_path / "gate", timeout_s=5)
+    frozen = server.processes()
+    for process in frozen:
+        process.suspend()
+    try:
+        (tmp_path / "gate").touch()
+        sync.join(timeout=RAY_TIMEOUT)
+        assert not sync.is_alive()
+    finally:
+        for process in frozen:
+            process.resume()
+    (err,) = failure
+    assert isinstance(err, SyncError) and err.culprits == ["server"], err
+    assert err.outcomes["server"].status is Status.TIMED_OUT, err.outcomes["server"]
+    get(trainer.set_gate.remote(None))
+    ws.close()
+
+
+def test_a_server_killed_mid_sync_is_named(server: LocalServer, worker: Any, trainer: Any, tmp_path: Path) -> None:
+    """Runs last: it kills the module's server."""
+    ws, sync, failure = sync_in_flight(server, worker, trainer, tmp_path / "gate", timeout_s=60)
     for process in server.processes():
         process.kill()
-    gate.touch()
+    (tmp_path / "gate").touch()
     sync.join(timeout=RAY_TIMEOUT)
     assert not sync.is_alive()
     (err,) = failure
-    assert isinstance(err, SyncError) and "server" in err.culprits, err
+    assert isinstance(err, SyncError) and err.culprits == ["server"], err  # the trainer's failure follows from it
     outcome = err.outcomes["server"]
     assert outcome.error == "ServerCallError" and server.url in outcome.message, outcome
     with pytest.raises(ray.exceptions.RayTaskError) as after:

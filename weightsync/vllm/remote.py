@@ -111,15 +111,6 @@ def hand_over(old: Any, new: Any) -> None:
     receiver.state = WorkerState.DIRTY if loading else WorkerState(held[1])
 
 
-def rank_of(engine: Any) -> Any:
-    """Runs in a server's worker for ``ServerWorker.ranks()``: this rank's ``RankInfo``."""
-    from weightsync.vllm.extension import rank_info
-
-    if engine.endpoint is None:
-        raise WeightSyncError("no weightsync endpoint on this vLLM worker yet")
-    return rank_info(engine.endpoint)
-
-
 class RemoteLink:
     """One TP rank's end of a ServerWorker's session (inside the vLLM server's worker)."""
 
@@ -199,4 +190,4 @@ class RemoteLink:
             self._line = None
 
 
-__all__ = ["INIT_FIELD", "RemoteLink", "ServerInit", "hand_over", "new_session", "rank_of", "seal_call", "seal_init"]
+__all__ = ["INIT_FIELD", "RemoteLink", "ServerInit", "hand_over", "new_session", "seal_call", "seal_init"]

@@ -54,7 +54,8 @@ from weightsync.vllm.client import ServerCallError, ServerClient
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
-from weightsync.vllm.remote import INIT_FIELD, ServerInit, new_session, rank_of, seal_call, seal_init
+from weightsync.vllm.rank_query import rank_of
+from weightsync.vllm.remote import INIT_FIELD, ServerInit, new_session, seal_call, seal_init
 from weightsync.vllm.replies import RankLine, ReplyError, ReplyListener
 from weightsync.vllm.sealing import read_key
 
