@@ -17,7 +17,7 @@ TP rank of the server runs it in the weightsync backend and answers on a connect
 own to this actor (:mod:`weightsync.vllm.replies`). So setup, transports, verify, versions
 and failures are those of :class:`~weightsync.vllm.VLLMWorker`: rank 0 receives and relays
 to the other TP ranks, or every rank is fed on its own (``rank-ipc``). The first call (or
-:meth:`connect`) checks the server (RL routes, backend, no pipeline or data parallelism),
+:meth:`connect`) checks the server (RL routes, API key, backend, no pipeline or data parallelism),
 asks ``/get_world_size`` how many ranks answer, and opens the session; a server that
 restarted is connected again at the next call.
 
@@ -75,6 +75,10 @@ class ServerSession:
     world_size: int
     #: Each TP rank's process id on the server's host, by rank.
     pids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world_size, int) and self.world_size >= 1 and len(self.pids) == self.world_size):
+            raise ValueError(f"a session has one pid per TP rank, got {self.world_size} rank(s), pids {self.pids}")
 
 
 @dataclass
