@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import weightsync
-from examples.vllm_rlhf import TARGET, sized, train_towards, trainer_model, write_checkpoint
+from examples.vllm_rlhf import TARGET, held_off_line, sized, train_towards, trainer_model, write_checkpoint
 from weightsync.tools.cluster import connect
 from weightsync.vllm import LocalServer, ServerWorker
 
@@ -76,12 +76,10 @@ def run(url: str, model: str, key_file: str, api_key: str | None, steps: int, tr
                 digest = ws.verify()  # raises VerificationError naming the first tensor that differs
                 texts.append(complete(url, model, api_key, PROMPT))
                 version = ray.get(server.version.remote(), timeout=60)
-                (worker,) = report.workers
+                hold = ray.get(server.last_hold.remote(), timeout=60)
                 print(f"step {step}: loss {loss:.3f}; {report.summary()}")
-                print(
-                    f"  generation held off {(worker.held_off_s or 0) * 1e3:.1f} ms of {report.seconds * 1e3:.1f} ms "
-                    f"sync ({worker.transport}); verified (digest {digest[:12]}); the server reports version {version}"
-                )
+                print(f"{held_off_line(report)}, pausing {hold.pausing_s * 1e3:.1f} ms")
+                print(f"  verified (digest {digest[:12]}); the server reports version {version}")
                 print(f"  the server: {PROMPT!r} ->{texts[-1]!r}")
                 assert version == str(step), f"the server reports weight version {version!r} after sync {step}"
         for rank in ray.get(server.ranks.remote(), timeout=120):

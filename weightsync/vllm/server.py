@@ -184,9 +184,7 @@ class _ServerWorker:
     # one call -----------------------------------------------------------------------------
     def _call(self, link: _Link, what: str, payload: bytes) -> list[Reply]:
         """Post ``payload`` (an encoded Call) to every rank and read each rank's reply."""
-        if not link.updating:
-            self._post("/start_weight_update")
-            link.updating = True
+        self._open_update(link)
         link.seq += 1
         text = seal_call(self._key, link.session, link.nonces, link.seq, payload)
         try:
@@ -205,6 +203,12 @@ class _ServerWorker:
         for i, reply in enumerate(replies):
             unwrap(reply, self._rank_name(i), what)
         return replies
+
+    def _open_update(self, link: _Link) -> None:
+        """Open vLLM's update session unless it is open (every call runs inside one)."""
+        if not link.updating:
+            self._post("/start_weight_update")
+            link.updating = True
 
     def _post(self, route: str, body: dict[str, Any] | None = None, query: dict[str, str] | None = None) -> None:
         self.client.post(route, body, query, timeout_s=self.timeout_s + 5.0)
@@ -231,6 +235,7 @@ class _ServerWorker:
         with self._lock:
             try:
                 link = self._connected()  # inside: a server that is gone still ends an open hold
+                self._open_update(link)  # before a pause: one round trip less while generation waits
                 every = self._routing.every_rank(method, args)
                 payload = encode_call(Call(method, args, kwargs, every_rank=every))
                 if self._hold.begins(method):
