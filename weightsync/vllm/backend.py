@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync import TensorSpec, WeightSyncError
+from weightsync.vllm.amx import request_amx_tiles
 from weightsync.vllm.codec import decode_call, encode_reply, failed_reply
 from weightsync.vllm.rank import RankEndpoint
 from weightsync.vllm.relay import tp_relay
@@ -85,6 +86,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        if torch.device(device).type == "cpu":
+            request_amx_tiles()  # made as the model loads, before any request (amx.py says why)
         self.endpoint: RankEndpoint | None = None
         self._reply: bytes | None = None
         #: A ServerWorker's session, when one initialised this backend over HTTP.
