@@ -15,6 +15,7 @@ import torch
 
 from tests import import_graph
 from tests.helpers import session_of
+from tests.import_graph import LAYERS, layer
 from weightsync.core import registry
 from weightsync.core.choice import choose_transport
 from weightsync.core.packing import tensor_checksums
@@ -193,29 +194,10 @@ dist.destroy_process_group()
     assert done.stdout.split() == ["[]", "False", "True", "False", "False"], done.stdout
 
 
-#: The layers, bottom up: a module belongs to the longest prefix that names it, and imports
-#: only from its own layer or those below (docs/architecture.md draws the same picture).
-LAYERS = {
-    "weightsync.core.wire": 0,
-    "weightsync.mechanisms": 1,
-    "weightsync.core": 2,
-    "weightsync.transports": 3,
-    "weightsync": 4,  # the package's face (__init__, packed_tensor): what users and vllm/ import
-    "weightsync.glue": 4,
-    "weightsync.compat": 4,
-    "weightsync.vllm": 5,
-    "weightsync.tools": 6,
-    "weightsync.__main__": 7,
-}
 #: Below glue/ nothing needs a cluster: no Ray there.
 RAY_FREE_BELOW = LAYERS["weightsync.glue"]
 #: The transports that build on another one's modules (its halves, setup steps, messages).
 BUILDS_ON = {"owners": {"broadcast"}, "owner_writes": {"direct"}, "rank_ipc": {"ipc"}}
-
-
-def layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
 
 
 def transport_of(module: str) -> str | None:
