@@ -11,9 +11,7 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 
-from weightsync.core.wire.settings import DEFAULT_ALIGNMENT
-
-MIB = 1024 * 1024
+from weightsync.core.wire.settings import DEFAULT_ALIGNMENT, MIB
 
 
 def positive_int(value: str) -> int:

@@ -22,6 +22,8 @@ from typing import Any
 
 from weightsync.tools.cli_types import DefaultsHelpFormatter, positive_seconds
 from weightsync.tools.head import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
     HeadError,
     HeadInfo,
     default_directory,
@@ -34,6 +36,8 @@ from weightsync.tools.head import (
 from weightsync.tools.jobs import JobServer
 from weightsync.tools.private_files import UnsafePathError
 
+#: Seconds ``submit`` follows a job before it stops it.
+JOB_TIMEOUT_S = 900.0
 #: Left out of the uploaded working directory (Ray itself leaves out ``.git``): caches and the
 #: virtual environment, which the head has already.
 UPLOAD_EXCLUDES = (
@@ -88,7 +92,7 @@ def _running_head(directory: Path) -> HeadInfo:
 
 def _start(args: argparse.Namespace) -> int:
     print(f"starting a Ray head in {args.dir} (loopback, token auth, job server) ...", flush=True)
-    info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout)
+    info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout_s)
     print(f"head running: pid {info.pid}, GCS {info.gcs_address}, job server {info.dashboard_url}")
     print(f"token: {info.token_path} (mode 0600); ray start's output: {args.dir / 'head.log'}")
     where = f" --dir {shlex.quote(str(args.dir))}" if args.dir != default_directory() else ""
@@ -109,7 +113,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    print(stop_head(args.dir, timeout_s=args.timeout))
+    print(stop_head(args.dir, timeout_s=args.timeout_s))
     exported = os.environ.get("RAY_ADDRESS", "")
     if exported.startswith(("http://", "https://")):
         print(
@@ -137,7 +141,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     try:
-        status = server.follow(job_id, timeout_s=args.timeout)
+        status = server.follow(job_id, timeout_s=args.timeout_s)
     except KeyboardInterrupt:
         print(
             f"\njob {job_id} goes on running on {server.url}; to stop it: RAY_AUTH_MODE=token "
@@ -166,7 +170,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a loopback Ray head with token auth and jobs",
     )
     start.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
-    start.add_argument("--timeout", type=positive_seconds, default=180.0, help="seconds to wait for the job server")
+    start.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=positive_seconds,
+        default=START_TIMEOUT_S,
+        help="seconds to wait for the job server",
+    )
     start.set_defaults(cluster_func=_start)
 
     submit = sub.add_parser(
@@ -194,7 +204,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_json_object,
         help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)',
     )
-    submit.add_argument("--timeout", type=positive_seconds, default=900.0, help="stop the job after this many seconds")
+    submit.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=positive_seconds,
+        default=JOB_TIMEOUT_S,
+        help="stop the job after this many seconds",
+    )
     submit.add_argument(
         "--no-wait",
         action="store_true",
@@ -221,7 +237,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=DefaultsHelpFormatter,
         help="stop the head this checkout started (never `ray stop`)",
     )
-    stop.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds to wait for the head to exit")
+    stop.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=positive_seconds,
+        default=STOP_TIMEOUT_S,
+        help="seconds to wait for the head to exit",
+    )
     stop.set_defaults(cluster_func=_stop)
     parser.set_defaults(func=run)
 

@@ -50,6 +50,11 @@ from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: Seconds a start waits for the head's job server to answer (``ray start`` and the
+#: dashboard take their time on a loaded machine).
+START_TIMEOUT_S = 180.0
+#: Seconds a stop waits for the head to exit after SIGTERM before it kills it.
+STOP_TIMEOUT_S = 60.0
 
 
 class HeadError(RuntimeError):
@@ -213,7 +218,7 @@ def signal_head(info: HeadInfo, signum: int) -> bool:
         os.close(pidfd)
 
 
-def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 180.0) -> HeadInfo:
+def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = START_TIMEOUT_S) -> HeadInfo:
     """Start a loopback head with token auth and the job server; return once jobs can be submitted."""
     existing = read_info(directory)
     if existing is not None and head_running(existing):
@@ -290,7 +295,7 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     except BaseException:
         # A failure or Ctrl-C while waiting: the head runs in a session of its own, so
         # nothing else would ever stop it.
-        stop_head(directory, timeout_s=60)
+        stop_head(directory)
         raise
     return info
 
@@ -313,7 +318,7 @@ def _wait_for_jobs(proc: subprocess.Popen[bytes], info: HeadInfo, log_path: Path
         time.sleep(0.5)
 
 
-def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
+def stop_head(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> str:
     """SIGTERM this head's ``ray start --block`` and wait until it exited; returns what happened."""
     info = read_info(directory)
     if info is None:

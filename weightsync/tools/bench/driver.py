@@ -15,11 +15,11 @@ from typing import Any
 import weightsync.tools.bench.probes as probes
 from weightsync.core.wire.errors import SettingsError, SetupError, WeightSyncError
 from weightsync.core.wire.outcome import Status
-from weightsync.core.wire.settings import SyncSettings
+from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, MIB, SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
-from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
+from weightsync.tools.bench.report import Case, check_json_path, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
 
@@ -34,7 +34,7 @@ class Bench:
         self.summary: list[str] = []
         #: Cases whose setup failed for another reason than a refusal: the run's exit code says so.
         self.failed: list[str] = []
-        self.timeout = args.timeout
+        self.timeout_s = args.timeout_s
         self._version = 0
 
     def not_run(self, size: str, name: str, exc: Exception) -> None:
@@ -57,7 +57,7 @@ class Bench:
         return self._version
 
     def get(self, ref: Any) -> Any:
-        return self.ray.get(ref, timeout=self.timeout)
+        return self.ray.get(ref, timeout=self.timeout_s)
 
     def memory_base(self, parties: list[Any]) -> list[int]:
         """Reset each side's peak counter; returns what each holds now."""
@@ -175,7 +175,7 @@ class Bench:
                 buffer_bytes=buffer_mib * MIB if buffer_mib is not None else "auto",
                 num_buffers=nbuf,
                 inplace_bytes=inplace_bytes,
-                timeout_s=self.timeout,
+                timeout_s=self.timeout_s,
             )
             try:
                 built = ws.setup()
@@ -200,7 +200,7 @@ class Bench:
         for transport in colocated:
             if transport not in args.transports:
                 continue
-            sync_case(f"weightsync {transport}", transport, None, 2, copy_s, workers[:1])
+            sync_case(f"weightsync {transport}", transport, None, DEFAULT_NUM_BUFFERS, copy_s, workers[:1])
         if "direct" in args.transports:
             self.push_cases(size, trainer, workers[0], nbytes, copy_s)
         if "ipc" in args.transports and not args.quick:
@@ -217,14 +217,24 @@ class Bench:
                     f"weightsync broadcast, {n} receiver(s)",
                     "broadcast",
                     None,
-                    2,
+                    DEFAULT_NUM_BUFFERS,
                     raw if n == len(workers) else None,
                     workers[:n],
                 )
-            sync_case("weightsync broadcast (all packed)", "broadcast", None, 2, raw, workers, inplace_bytes=0)
+            sync_case(
+                "weightsync broadcast (all packed)",
+                "broadcast",
+                None,
+                DEFAULT_NUM_BUFFERS,
+                raw,
+                workers,
+                inplace_bytes=0,
+            )
             if not args.quick:
                 for buffer_mib in args.buffer_mib:
-                    sync_case("weightsync broadcast (knobs)", "broadcast", buffer_mib, 2, raw, workers)
+                    sync_case(
+                        "weightsync broadcast (knobs)", "broadcast", buffer_mib, DEFAULT_NUM_BUFFERS, raw, workers
+                    )
                 for nbuf in (1, 3):
                     sync_case("weightsync broadcast (knobs)", "broadcast", first, nbuf, raw, workers)
             self.gloo_case(size, trainer, workers, nbytes, per_tensor=True, limit=raw)
@@ -264,7 +274,7 @@ class Bench:
         from weightsync.glue.coordinator import WeightSync
 
         base = self.memory_base([trainer, worker])
-        ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout)
+        ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout_s)
         ws.setup()
 
         def by_sync() -> float:
@@ -318,7 +328,7 @@ class Bench:
 
         base = self.memory_base([trainer, worker])
         ws = WeightSync(
-            trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout
+            trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout_s
         )
         manifest = ws.setup()
 
@@ -347,14 +357,19 @@ class Bench:
         self, size: str, trainer: Any, workers: list[Any], nbytes: int, per_tensor: bool, limit: float | None = None
     ) -> float:
         world = len(workers) + 1
-        port = self.get(trainer.call.remote(probes.gloo_open_store, "127.0.0.1", world))
+        port = self.get(trainer.call.remote(probes.gloo_open_store, "127.0.0.1", world, self.timeout_s))
         self.get(
-            [trainer.call.remote(probes.gloo_join_root, "127.0.0.1", world)]
-            + [w.call.remote(probes.gloo_join, "127.0.0.1", port, r, world) for r, w in enumerate(workers, start=1)]
+            [trainer.call.remote(probes.gloo_join_root, "127.0.0.1", world, self.timeout_s)]
+            + [
+                w.call.remote(probes.gloo_join, "127.0.0.1", port, r, world, self.timeout_s)
+                for r, w in enumerate(workers, start=1)
+            ]
         )
 
         def one() -> None:
-            self.get([p.call.remote(probes.gloo_broadcast, per_tensor, nbytes) for p in [trainer, *workers]])
+            self.get(
+                [p.call.remote(probes.gloo_broadcast, per_tensor, nbytes, self.timeout_s) for p in [trainer, *workers]]
+            )
 
         name = (
             "naive: one gloo broadcast per tensor"
