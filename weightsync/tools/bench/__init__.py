@@ -30,6 +30,7 @@ GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak e
 on each side during the case.
 
 Layout: :mod:`~weightsync.tools.bench.driver` measures (the cases, in order),
+:mod:`~weightsync.tools.bench.baselines` the cases outside weightsync,
 :mod:`~weightsync.tools.bench.probes` runs inside the actors, :mod:`~weightsync.tools.bench.report`
 prints and writes the results, :mod:`~weightsync.tools.bench.chart` draws them (``--plot``).
 This module holds the command line.
@@ -60,6 +61,13 @@ SWEEP_BUFFER_MIB = (256, 64, 1024, 2048)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_case_arguments(parser)
+    add_run_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which cases run (where, at which sizes, over which transports, with which knobs) and how often."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every party holds the model")
     parser.add_argument(
         "--sizes",
@@ -110,9 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
     )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the bench runs: the bound on every call, the cluster, the output files."""
     parser.add_argument(
         "--timeout",
         dest="timeout_s",
+        metavar="TIMEOUT",
         type=positive_seconds,
         default=TIMEOUT_S,
         help="seconds any sync or Ray call may take",
@@ -127,7 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw every case's GB/s against its raw limit, per size, into this file: .svg needs nothing more, "
         "other suffixes (.png) need matplotlib, the plot extra (default: not written)",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
