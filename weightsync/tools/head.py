@@ -220,63 +220,24 @@ def signal_head(info: HeadInfo, signum: int) -> bool:
 
 def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = START_TIMEOUT_S) -> HeadInfo:
     """Start a loopback head with token auth and the job server; return once jobs can be submitted."""
-    existing = read_info(directory)
-    if existing is not None and head_running(existing):
-        raise HeadError(
-            f"a head from this checkout is already running (pid {existing.pid}, {existing.dashboard_url}); "
-            f"use it, or stop it first: bash scripts/run.sh cluster stop --dir {directory}"
-        )
-    ray_cli = Path(sys.executable).parent / "ray"
-    if not ray_cli.exists():
-        raise HeadError(f"{ray_cli} not found: install the cluster extra (bash scripts/run.sh cluster does)")
-    try:
-        import aiohttp  # noqa: F401 - the dashboard (and so the job server) needs it
-    except ImportError as exc:
-        raise HeadError(
-            f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: bash scripts/run.sh cluster does"
-        ) from exc
+    ray_cli = _ray_cli_to_start(directory)
     directory = Path(os.path.abspath(directory))
     private_files.make_directory(directory, hint=_DIR_HINT)
     token_path = directory / "auth_token"
     private_files.write_file(token_path, secrets.token_hex(32).encode())
     temp_dir = directory / "ray"
     port, dashboard_port = _free_port(), _free_port()
-    command = [
-        str(ray_cli),
-        "start",
-        "--head",
-        "--block",
-        "--disable-usage-stats",
-        "--include-dashboard=true",
-        "--node-ip-address=127.0.0.1",
-        f"--port={port}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--temp-dir={temp_dir}",
-    ]
-    if num_cpus is not None:
-        command.append(f"--num-cpus={num_cpus}")
-    env = dict(os.environ)
-    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
-        env.pop(name, None)
-    env.update(
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN_PATH=str(token_path),
-        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
-        # A job's `python` is found on the head's PATH: make it this environment's.
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    )
+    command = _ray_start_command(ray_cli, port, dashboard_port, temp_dir, num_cpus)
     log_path = directory / "head.log"
     log = private_files.create_file(log_path)
     try:
         proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_head_environment(token_path),
+            start_new_session=True,
         )
     finally:
         os.close(log)
@@ -298,6 +259,70 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         stop_head(directory)
         raise
     return info
+
+
+def _ray_cli_to_start(directory: Path) -> Path:
+    """This environment's ``ray`` command, once nothing stands in the way of a new head:
+    no head of this checkout running, the job server's packages installed."""
+    existing = read_info(directory)
+    if existing is not None and head_running(existing):
+        raise HeadError(
+            f"a head from this checkout is already running (pid {existing.pid}, {existing.dashboard_url}); "
+            f"use it, or stop it first: bash scripts/run.sh cluster stop --dir {directory}"
+        )
+    ray_cli = Path(sys.executable).parent / "ray"
+    if not ray_cli.exists():
+        raise HeadError(f"{ray_cli} not found: install the cluster extra (bash scripts/run.sh cluster does)")
+    try:
+        import aiohttp  # noqa: F401 - the dashboard (and so the job server) needs it
+    except ImportError as exc:
+        raise HeadError(
+            f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: bash scripts/run.sh cluster does"
+        ) from exc
+    return ray_cli
+
+
+def _ray_start_command(
+    ray_cli: Path, port: int, dashboard_port: int, temp_dir: Path, num_cpus: int | None
+) -> list[str]:
+    """``ray start --head`` with everything on 127.0.0.1 and a free port for each listener."""
+    command = [
+        str(ray_cli),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--include-dashboard=true",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--temp-dir={temp_dir}",
+    ]
+    if num_cpus is not None:
+        command.append(f"--num-cpus={num_cpus}")
+    return command
+
+
+def _head_environment(token_path: Path) -> dict[str, str]:
+    """The head's environment: loopback, token auth from ``token_path``, this venv's python."""
+    env = dict(os.environ)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(name, None)
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token_path),
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+        # A job's `python` is found on the head's PATH: make it this environment's.
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+    )
+    return env
 
 
 def _wait_for_jobs(proc: subprocess.Popen[bytes], info: HeadInfo, log_path: Path, timeout_s: float) -> None:
