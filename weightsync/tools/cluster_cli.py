@@ -163,6 +163,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the head's directory: head.json, auth_token, logs, Ray's temp dir (default: $WEIGHTSYNC_HEAD_DIR, "
         "else %(default)s)",
     )
+    _add_start(sub, common)
+    _add_submit(sub, common)
+    env = sub.add_parser(
+        "env",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="print the exports plain `ray job submit` needs",
+    )
+    env.set_defaults(cluster_func=_env)
+    _add_stop(sub, common)
+    parser.set_defaults(func=run)
+
+
+#: What ``add_subparsers`` returns (argparse names its class privately).
+Subparsers = argparse._SubParsersAction
+
+
+def _add_start(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     start = sub.add_parser(
         "start",
         parents=[common],
@@ -173,12 +191,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument(
         "--timeout",
         dest="timeout_s",
+        metavar="TIMEOUT",
         type=positive_seconds,
         default=START_TIMEOUT_S,
         help="seconds to wait for the job server",
     )
     start.set_defaults(cluster_func=_start)
 
+
+def _add_submit(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     submit = sub.add_parser(
         "submit",
         parents=[common],
@@ -207,6 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     submit.add_argument(
         "--timeout",
         dest="timeout_s",
+        metavar="TIMEOUT",
         type=positive_seconds,
         default=JOB_TIMEOUT_S,
         help="stop the job after this many seconds",
@@ -223,14 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     submit.set_defaults(cluster_func=_submit)
 
-    env = sub.add_parser(
-        "env",
-        parents=[common],
-        formatter_class=DefaultsHelpFormatter,
-        help="print the exports plain `ray job submit` needs",
-    )
-    env.set_defaults(cluster_func=_env)
 
+def _add_stop(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     stop = sub.add_parser(
         "stop",
         parents=[common],
@@ -240,12 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stop.add_argument(
         "--timeout",
         dest="timeout_s",
+        metavar="TIMEOUT",
         type=positive_seconds,
         default=STOP_TIMEOUT_S,
         help="seconds to wait for the head to exit",
     )
     stop.set_defaults(cluster_func=_stop)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
