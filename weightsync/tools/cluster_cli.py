@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightsync.tools.cli_types import DefaultsHelpFormatter, positive_seconds
+from weightsync.tools.cli_types import DefaultsHelpFormatter, Subparsers, positive_seconds
 from weightsync.tools.head import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
@@ -174,10 +174,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env.set_defaults(cluster_func=_env)
     _add_stop(sub, common)
     parser.set_defaults(func=run)
-
-
-#: What ``add_subparsers`` returns (argparse names its class privately).
-Subparsers = argparse._SubParsersAction
 
 
 def _add_start(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
