@@ -52,7 +52,7 @@ from weightsync.glue.actors import WORKER_PROTOCOL
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
-from weightsync.vllm.engine import EXTENSION, EngineCallError
+from weightsync.vllm.engine import ENGINE_TIMEOUT_S, EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
@@ -94,7 +94,7 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = 300.0,
+        timeout_s: float = ENGINE_TIMEOUT_S,
         pause_mode: str = "keep",
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
