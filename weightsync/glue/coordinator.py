@@ -121,10 +121,9 @@ class WeightSync:
         check_options(backend, push)
         self.backend = backend
         self.push = push
-        ranks = TrainerRanks(trainer)
+        self.ranks = ranks = TrainerRanks(trainer)
         if push and len(ranks.names) > 1:
             raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
-        self.ranks = ranks
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
         #: How the trainer's parties name this coordinator (a push that finds its session
