@@ -1,9 +1,10 @@
 """The package's structure: its layers, its import graph (no cycles; every module imports
-first in a fresh interpreter), the transport folders and the registry, and what importing
-it loads."""
+first in a fresh interpreter), the transport folders and the registry, what importing it
+loads, and the size of its modules and functions."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,65 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED-IMPORT")]
     assert not failed, "modules that fail to import first:\n" + "\n".join(failed)
+
+
+# --- sizes -----------------------------------------------------------------------------
+
+#: No module of the package is longer, nor any function (methods and nested functions
+#: alike, counted from ``def`` to its last line): one module one job, and a function a
+#: reader holds in view. Split by job, never one job across files, to stay within them.
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(source: str, name: str) -> list[str]:
+    """What in ``source`` (module ``name``) is over the limits, one line each."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (child.end_lineno or child.lineno) - child.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(
+                        f"{name}:{child.lineno} {prefix}{child.name}: {length} lines (at most {MAX_FUNCTION_LINES})"
+                    )
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
+    found = [
+        line
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in oversized(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert not found, "over the size limits (split by job):\n" + "\n".join(found)
+
+
+def test_the_size_check_counts_every_function_and_module_line() -> None:
+    """60 lines pass and 61 fail, for a method and a function nested in it alike; a module
+    of 401 lines fails."""
+
+    def function(name: str, lines: int, indent: str = "") -> str:
+        body = "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 1))
+        return f"{indent}def {name}():\n{body}"
+
+    assert oversized(function("f", MAX_FUNCTION_LINES), "m") == []
+    nested = "class C:\n    def g(self):\n" + function("h", MAX_FUNCTION_LINES + 1, "        ")
+    assert oversized(nested, "m") == [
+        f"m:2 C.g: {MAX_FUNCTION_LINES + 2} lines (at most {MAX_FUNCTION_LINES})",
+        f"m:3 C.g.h: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
+    ]
+    assert oversized("x = 0\n" * (MAX_MODULE_LINES + 1), "m") == [
+        f"m: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})"
+    ]
