@@ -12,6 +12,7 @@ sits above both, and below the transports (docs/architecture.md draws the layers
     choice, placement    which transport can serve a worker, from where the two live
     sender, receiver     the two endpoints (the receiver holds the worker's state machine)
     sinks                where a worker's tensors land
+    lora/                syncing only a PEFT adapter: the trainer's source, the workers' sinks
     sharded, gathering, riders, owned_plan, dtensors    a sharded trainer rank as a source
     checking, policy     checksum comparisons; the one failure policy
     local                a plug-in's setup run in one process
