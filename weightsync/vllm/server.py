@@ -52,7 +52,7 @@ from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checks import check_server, field, requests_in_flight
 from weightsync.vllm.client import ServerCallError, ServerClient
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
-from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
+from weightsync.vllm.hold import PAUSE_MODES, HoldRecord, SyncHold, check_pause_mode, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
 from weightsync.vllm.rank_query import rank_of
 from weightsync.vllm.remote import INIT_FIELD, ServerInit, new_session, seal_call, seal_init
@@ -60,7 +60,6 @@ from weightsync.vllm.replies import RankLine, ReplyError, ReplyListener
 from weightsync.vllm.sealing import read_key
 
 log = logging.getLogger("weightsync")
-PAUSE_MODES = ("keep", "wait", "abort")
 #: Calls after which a settled receiver may have loaded: vLLM's update session ends there.
 LOADS = ("ws_receive", "ws_commit", "ws_settle", "ws_teardown")
 _SLOW_PAUSE = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
@@ -94,12 +93,6 @@ class _Link:
         return [line.hello.nonce for line in self.lines]
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-    return mode
-
-
 @forward_worker_protocol
 class _ServerWorker:
     def __init__(
@@ -124,7 +117,7 @@ class _ServerWorker:
         self.url = self.client.url
         self.timeout_s = float(timeout_s)
         self._key = read_key(key_file, who=f"{name} ({self.url})")
-        self._hold = SyncHold(_check_mode(pause_mode))
+        self._hold = SyncHold(check_pause_mode(pause_mode))
         self._reply_host = reply_host
         self._specs = tuple(expected_specs) if expected_specs is not None else None
         self._check_model = bool(check_model)
@@ -324,7 +317,7 @@ class _ServerWorker:
 
     def set_pause_mode(self, mode: str) -> None:
         """How the next syncs treat requests in flight: "keep", "wait" or "abort" (docs/vllm.md)."""
-        self._hold.mode = _check_mode(mode)
+        self._hold.mode = check_pause_mode(mode)
 
     def last_hold(self) -> HoldRecord | None:
         """The last sync's pause of the server's generation (None before the first sync)."""
