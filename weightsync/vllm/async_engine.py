@@ -48,11 +48,12 @@ from typing import Any
 import ray
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
-from weightsync.vllm.engine import ENGINE_TIMEOUT_S, EXTENSION, EngineCallError
+from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import PAUSE_MODES, HoldRecord, SyncHold, check_pause_mode, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
@@ -87,7 +88,7 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = ENGINE_TIMEOUT_S,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         pause_mode: str = "keep",
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,

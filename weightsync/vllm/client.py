@@ -27,6 +27,7 @@ import urllib.parse
 from typing import Any
 
 from weightsync import SettingsError, WeightSyncError
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 
 #: Routes vLLM's server has only with ``VLLM_SERVER_DEV_MODE=1``: a 404 on one says that.
 DEV_ROUTES = frozenset(
@@ -78,7 +79,7 @@ class ServerClient:
         self,
         url: str,
         api_key: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         allow_insecure_http: bool = False,
         ca_file: str | None = None,
     ) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 import ray
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
@@ -64,11 +65,6 @@ from weightsync.vllm.served import SYNCED, AdapterInfo, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
-#: Seconds any call into an engine may take unless its actor is given ``timeout_s`` (both
-#: engine actors): a bound on vLLM answering at all (a generate, a load with its reload
-#: lifecycle, a forwarded protocol call whose own waits are the sync's ``timeout_s``), so
-#: longer than a sync's default.
-ENGINE_TIMEOUT_S = 300.0
 
 
 class EngineCallError(WeightSyncError):
@@ -81,7 +77,7 @@ class _VLLMWorker:
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = ENGINE_TIMEOUT_S,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         native: bool = False,
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,

@@ -48,6 +48,7 @@ import ray
 from weightsync import TensorSpec, WorkerState
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checks import check_server, field, requests_in_flight
 from weightsync.vllm.client import ServerCallError, ServerClient
@@ -101,7 +102,7 @@ class _ServerWorker:
         api_key: str | None = None,
         *,
         name: str = "vllm-server",
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         pause_mode: str = "keep",
         key_file: str | None = None,
         allow_insecure_http: bool = False,

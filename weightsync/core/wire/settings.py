@@ -34,6 +34,11 @@ DEFAULT_INPLACE_BYTES = 4 * MIB
 DEFAULT_NUM_BUFFERS = 2
 #: Seconds any wait of a sync may take (see :class:`~weightsync.core.wire.session.Deadlines`).
 DEFAULT_TIMEOUT_S = 120.0
+#: Seconds any call into an inference engine may take (the ``timeout_s`` of the vLLM engine
+#: actors and of a server worker, per call and per HTTP request): a bound on the engine
+#: answering at all (a generate, a load with its reload lifecycle, a protocol call whose
+#: own waits are the sync's), so longer than a sync's.
+DEFAULT_ENGINE_TIMEOUT_S = 300.0
 
 
 def _is_int(value: object) -> bool:
