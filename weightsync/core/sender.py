@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.delta.sending import DeltaSending
 from weightsync.core.halves import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.riders import RiddenTensors
@@ -77,6 +78,8 @@ class WeightSender:
         #: (the coordinators' labels): what a push that finds no session is told.
         self.owner = ""
         self.closed_by = ""
+        #: Delta sessions: the base and its encoder (kept across setups of the same tensors).
+        self.delta: DeltaSending | None = None
 
     def _pairs(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -112,9 +115,15 @@ class WeightSender:
         buffer_bytes = resolve_buffer_bytes(
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
-        manifest = Manifest.build(specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes)
+        manifest = Manifest.build(
+            specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes, settings.delta
+        )
         if adapter is not None:
             manifest = replace(manifest, adapter=adapter)
+        if not settings.delta:
+            self.delta = None  # its base's memory goes with it
+        elif self.delta is None or self.delta.where != settings.delta_base:
+            self.delta = DeltaSending(settings.delta_base)
         self._session = Session(manifest=manifest, party=self.name, server=self.name, timeout_s=settings.timeout_s)
         return manifest
 
@@ -228,6 +237,7 @@ class WeightSender:
             stale=stale,
             seconds=time.perf_counter() - start,
             tensor_checksums=sources.checksums or [],
+            sent_bytes=DeltaSending.sent_bytes(self.current_manifest, self.halves, call, sources.delta),
         )
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
@@ -244,6 +254,14 @@ class WeightSender:
                 sources.checksums = read_checksums(
                     [word_sum(t.to(spec.torch_dtype)) for t, spec in zip(sources.tensors, specs)]
                 )
+        prepared = (
+            self.delta.prepare(self.current_manifest, self.halves, sources, call, self.device) if self.delta else None
+        )
+        sources.delta = prepared  # what the caller reports (sent bytes, the base's token)
+        if prepared is not None and sources.streamed:
+            # The encoder made this sync's one walk: every half sends from the base.
+            walked = Sources(prepared.dense, None, local=sources.local)
+            walked.checksums, walked.delta, sources = sources.checksums, prepared, walked
         riders = self._riders(sources, call, deadline)
         shared = RiddenTensors(sources.tensors, list(riders.values())) if riders else None
         carried = Sources(shared, None, streamed=True, local=sources.local) if shared is not None else sources
@@ -259,6 +277,8 @@ class WeightSender:
         for kind, rider in riders.items():
             checksums[kind], found = rider.finish()
             stale += found
+        if prepared is not None:
+            prepared.complete()
         return checksums, stale
 
     def _riders(self, sources: Sources, call: SyncCall, deadline: float) -> dict[str, Rider]:
@@ -291,7 +311,10 @@ class WeightSender:
 
     def walks(self, call: SyncCall) -> int:
         """The passes over the tensors this sync makes: one for the checksums with ``verify``,
-        then its halves' (see weightsync.core.sharded)."""
+        then its halves' (see weightsync.core.sharded); in a delta session the encoder's
+        one walk serves every half."""
+        if self.delta is not None and self.delta.carried(self.current_manifest, self.halves, call):
+            return int(call.verify) + 1
         carried = self._carrier(call)
         return int(call.verify) + sum(
             self.open_half(kind).walks(call.to(kind), call.verify)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from weightsync.core.delta.sending import DeltaSending
 from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import GatheredTensors, Wait, plan_buckets
 from weightsync.core.halves import Sources, shed_traceback
@@ -206,7 +207,14 @@ class ShardedSender(WeightSender):
             self.abort_halves(call, failure)
             raise failure
         sums = streamed.checksums if streamed is not None and streamed.checksums else []
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start, tensor_checksums=sums)
+        prepared = streamed.delta if streamed is not None else None
+        return SendResult(
+            checksums=checksums,
+            stale=stale,
+            seconds=time.perf_counter() - start,
+            tensor_checksums=sums,
+            sent_bytes=DeltaSending.sent_bytes(self.current_manifest, self.halves, call, prepared),
+        )
 
     def checksums(self) -> list[int]:
         """Per tensor, the checksum of the full tensor as it travels (every rank calls it)."""

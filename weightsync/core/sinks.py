@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from weightsync.core.delta.apply import apply_delta
+from weightsync.core.delta.encoding import Kind
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
@@ -190,6 +192,12 @@ class ModuleSink:
             for name, tensor in items:
                 self._by_name[name].copy_(tensor)
 
+    def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
+        """A delta sync: write the changed elements into the held tensor, in place (it holds
+        the bytes the delta was made against: the receiver checks that first)."""
+        with torch.no_grad():
+            apply_delta(self._order[index].data, spec, kind, count, payload)
+
     def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
         """The held tensors themselves, in manifest order (the direct transport reads their
         data pointers and shapes, copies from them under no_grad, and rebinds them)."""
@@ -231,6 +239,16 @@ class LoadWeightsSink:
     and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
     are of the bytes handed over, in the wire's dtype.
 
+    In a delta session (``SyncSettings(delta=True)``) the sink keeps its own copy of the
+    wire bytes it was handed (``keep_base``, which the receiver calls at setup), applies
+    each delta to that copy and loads the whole rebuilt tensor: a ``load_weights`` renames,
+    fuses and shards on load, so only a tensor in the checkpoint's coordinates can take the
+    changed elements, and only the worker's own copy holds the unchanged ones. It costs a
+    copy of the model's wire bytes on the worker's device. ``reload_all``: in a delta sync,
+    load the unchanged tensors too (from that copy), for a loader that must see every
+    tensor of a layer to rebuild it (vLLM's layerwise reload leaves a layer it was given
+    part of half built); without it only the changed tensors are loaded.
+
     ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
     commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
     rank dying or a transfer timing out, never reaches the model: the worker keeps serving
@@ -248,8 +266,12 @@ class LoadWeightsSink:
         expected_specs: Sequence[TensorSpec] | None = None,
         record_checksums: bool = True,
         staged: bool = False,
+        reload_all: bool = False,
     ) -> None:
         self._load_weights = load_weights
+        self.reload_all = reload_all
+        #: Delta sessions: the wire bytes last handed over, by name (None: not kept).
+        self._base: dict[str, torch.Tensor] | None = None
         self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
@@ -296,7 +318,47 @@ class LoadWeightsSink:
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
         return [None] * len(manifest.specs)
 
+    def keep_base(self, keep: bool) -> None:
+        """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session),
+        or drop it. What it held names nothing after a new setup: the next sync is dense."""
+        self._base = {} if keep else None
+
+    def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
+        """A delta sync: the changed elements into this sink's copy of ``spec``'s bytes, then
+        the whole tensor loaded (see the class doc)."""
+        held = None if self._base is None else self._base.get(spec.name)
+        if held is None:
+            raise WeightSyncError(
+                f"a delta for {spec.name!r} reached a load_weights sink that holds no copy of its bytes "
+                "(deltas need keep_base, which a delta session's setup turns on); a weightsync bug"
+            )
+        with torch.no_grad():
+            apply_delta(held, spec, kind, count, payload)
+        self._hand([(spec.name, held)])
+
+    def delta_done(self, manifest: Manifest, kinds: Sequence[tuple[Kind, int]]) -> None:
+        """After a delta sync's payloads: with ``reload_all``, load the unchanged tensors too."""
+        if self.reload_all and self._base is not None:
+            same = [s.name for s, (kind, _) in zip(manifest.specs, kinds) if kind is Kind.UNCHANGED]
+            self._hand([(name, self._base[name]) for name in same if name in self._base])
+
+    def _hand(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors of this sink's own copy: cloned for a loader that keeps them (the
+        copy changes with the next delta)."""
+        if items:
+            self._take([(n, t.clone()) for n, t in items] if self.keeps_references else items)
+
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        if self._base is not None:
+            with torch.no_grad():
+                for name, tensor in items:
+                    held = self._base.get(name)
+                    if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+                        self._base[name] = held = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                    held.copy_(tensor)
+        self._take(items)
+
+    def _take(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             if self._record:
                 sums = self._staged_sums if self.staged else self._received

@@ -38,7 +38,8 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.report import SyncReport
 from weightsync.core.wire.session import Deadlines
-from weightsync.core.wire.settings import BufferBytes, SyncSettings
+from weightsync.core.wire.settings import BufferBytes, DeltaBase, SyncSettings
+from weightsync.glue.deltas import DeltaBook
 from weightsync.glue.membership import Membership
 from weightsync.glue.metrics import SyncMetrics
 from weightsync.glue.ranks import TrainerRanks
@@ -89,6 +90,9 @@ class WeightSync:
         worker_ranks: Mapping[str, int] | None = None,
         push: bool = False,
         lora: bool | None = None,
+        delta: bool | None = None,
+        delta_keyframe: int | None = None,
+        delta_base: DeltaBase | None = None,
     ) -> None:
         base = settings if settings is not None else SyncSettings()
         if not isinstance(base, SyncSettings):
@@ -102,6 +106,9 @@ class WeightSync:
             verify=verify,
             gather_bytes=gather_bytes,
             lora=lora,
+            delta=delta,
+            delta_keyframe=delta_keyframe,
+            delta_base=delta_base,
         )
         if backend not in (None, "gloo", "nccl"):
             raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
@@ -137,6 +144,7 @@ class WeightSync:
         self._seq = 0
         self._lock = threading.Lock()
         self._metrics = SyncMetrics()
+        self._deltas = DeltaBook(self.settings.delta, self.settings.delta_keyframe)
 
     @property
     def deadlines(self) -> Deadlines:
@@ -150,6 +158,7 @@ class WeightSync:
         """Add a worker; the next sync sets up again to include it."""
         with self._lock:
             added = self._members.add(name, handle)
+            self._deltas.forget([added])
             self._ready = False
             return added
 
@@ -160,6 +169,7 @@ class WeightSync:
                 raise KeyError(f"no worker named {name!r}; known: {sorted(self._members.members)}")
             self._steps.teardown(abort=False, why=f"remove_worker({name!r})")
             self._members.remove(name)
+            self._deltas.forget([name])
 
     @property
     def workers(self) -> dict[str, Any]:
@@ -224,6 +234,7 @@ class WeightSync:
                 report = self._sync(version, check, force)
             except Exception:
                 self._metrics.failed()
+                self._deltas.forget()
                 raise
             self._metrics.record(report)
             if log.isEnabledFor(logging.INFO):
@@ -234,7 +245,14 @@ class WeightSync:
         assert self.manifest is not None
         start = time.perf_counter()
         members = list(self._members.members.values())
-        call = SyncCall(seq=self._seq, version=version, verify=verify, force=force, targets=targets(members))
+        call = SyncCall(
+            seq=self._seq,
+            version=version,
+            verify=verify,
+            force=force,
+            targets=targets(members),
+            delta_holds=self._deltas.holds(m.name for m in members),
+        )
         if self.push:
             sent, results = self._round.push(call, self._set_up)
         else:
@@ -260,6 +278,7 @@ class WeightSync:
             results.update(again)
         self._seq += 1
         self.version = version
+        self._deltas.heard(results)
         return build_report(
             version, self.manifest, self._members.members.values(), results, sent, time.perf_counter() - start, verify
         )

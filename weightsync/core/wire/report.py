@@ -23,6 +23,9 @@ class WorkerReport:
     #: The casts its sink makes on load, counted by (wire dtype, held dtype), each with what
     #: it loses ("range", "precision" or None); empty when it holds the wire's dtypes.
     casts: tuple[CastCount, ...] = ()
+    #: How this worker's bytes came: "delta", "dense", or "" (a session without deltas,
+    #: or a transport that carries none).
+    encoding: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,11 +76,21 @@ class SyncReport:
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
             f"{f'{self.adapter} adapter, ' if self.adapter else ''}{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
+            f"{self._sent_text()}"
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
             f"{'; lossy casts on load: ' + '; '.join(lossy) if lossy else ''}"
             f"{self._held_off_text()}"
         )
+
+    def _sent_text(self) -> str:
+        """What crossed the transports, and per worker dense or delta (delta sessions)."""
+        coded = [w for w in self.workers if w.encoding]
+        if not coded and self.sent_bytes in (0, self.bytes):
+            return ""
+        ways = ", ".join(f"{w.name} {w.encoding}" for w in coded)
+        share = f" ({100 * self.sent_bytes / self.bytes:.1f}%)" if self.bytes else ""
+        return f"sent {self.sent_bytes / 1e6:.1f} MB{share}{f' [{ways}]' if ways else ''}, "
 
     def _held_off_text(self) -> str:
         held = self.held_off_s

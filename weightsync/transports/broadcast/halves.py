@@ -43,9 +43,12 @@ from typing import Protocol
 
 import torch
 
+from weightsync.core.delta.header import Mode, SyncHeader
+from weightsync.core.delta.landing import DeltaReceiving
 from weightsync.core.halves import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.packing import ChunkUnpacker, as_bytes, byte_checksum, contiguous_checksum, pack_chunk
 from weightsync.core.wire.errors import PeerAborted, WeightSyncError
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.plan import Chunk
 from weightsync.core.wire.session import Session
@@ -118,17 +121,30 @@ class PackedGroup:
     def me(self) -> str:
         return self.members[self.comm.rank]
 
-    def buffers(self) -> list[torch.Tensor]:
+    def buffers(self, plan: Sequence[Chunk] | None = None) -> list[torch.Tensor]:
         """The packing buffers, allocated on first use: each as large as the plan's largest
-        packed chunk (at most ``buffer_bytes``; with most bytes in place, much less)."""
-        if not self._buffers:
-            packed = [c.nbytes for c in self.manifest.broadcast_chunks if not c.inplace]
-            # Packed chunk p uses buffer p % nbuf: never more buffers than packed chunks.
-            self._buffers = [
-                torch.empty(max(packed, default=0), dtype=torch.uint8, device=self.comm.device)
-                for _ in range(max(1, min(self.nbuf, len(packed))))
-            ]
+        packed chunk (at most ``buffer_bytes``; with most bytes in place, much less). A
+        delta sync's payload plan (``plan``) may need them larger: they grow, never past
+        ``buffer_bytes``, between syncs (nothing is in flight when a plan starts)."""
+        chunks = self.manifest.broadcast_chunks if plan is None else plan
+        packed = [c.nbytes for c in chunks if not c.inplace]
+        need = max(packed, default=0)
+        # Packed chunk p uses buffer p % nbuf: never more buffers than packed chunks.
+        count = max(1, min(self.nbuf, len(packed)))
+        if not self._buffers or len(self._buffers) < count or self._buffers[0].numel() < need:
+            need = max(need, self._buffers[0].numel() if self._buffers else 0)
+            self._buffers = []
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.comm.device) for _ in range(count)]
         return self._buffers
+
+    def header(self, raw: torch.Tensor, deadline: float) -> None:
+        """Broadcast a delta session's header (rank 0 sends ``raw``, the others receive into
+        it), before anything else of the sync."""
+        with self.streams.use(self.lane):
+            work = self.comm.broadcast(raw, 0, self.streams.stream_pointer(self.lane))
+        self.in_flight.append(work)
+        work.wait(deadline)
+        self.streams.drain(deadline, f"{self.me}: the delta header did not arrive in time")
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """The receiver's reused landing for in-place tensors it cannot take directly."""
@@ -184,9 +200,11 @@ class PackedGroup:
 
 
 class BroadcastSender(PackedGroup, SendHalf):
-    """Rank 0's side: agree, then broadcast every chunk of the broadcast plan."""
+    """Rank 0's side: agree, then broadcast every chunk of the broadcast plan (in a delta
+    session: the header first, then the plan it announces)."""
 
     kind = "broadcast"
+    carries_deltas = True
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -194,6 +212,25 @@ class BroadcastSender(PackedGroup, SendHalf):
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
         self.agree(deadline)
+        manifest: Manifest | None = self.manifest
+        tensors = sources.tensors
+        if self.manifest.agreed.delta:  # a delta session: the header first, then its plan
+            prepared = sources.delta
+            header, plan, tensors = (
+                prepared.for_peers(call.to(self.kind))
+                if prepared is not None
+                else (SyncHeader(Mode.DENSE, 0, 0), None, tensors)
+            )
+            self.header(header.to_tensor(self.manifest, self.comm.device), deadline)
+            manifest = plan.manifest if plan is not None else self.manifest
+        checksums = self._send_plan(manifest, tensors, call.verify, deadline) if manifest is not None else []
+        self.done()
+        return checksums, ()
+
+    def _send_plan(
+        self, manifest: Manifest, tensors: Sequence[torch.Tensor], verify: bool, deadline: float
+    ) -> list[int]:
+        """Broadcast every chunk of ``manifest``'s broadcast plan from ``tensors``."""
         nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads and whether that is a
@@ -202,15 +239,16 @@ class BroadcastSender(PackedGroup, SendHalf):
         caller = self.streams.caller_stream()
         checksums: list[int] = []
         packed = 0
-        for chunk in self.manifest.broadcast_chunks:
+        buffers = self.buffers(None if manifest is self.manifest else manifest.broadcast_chunks)
+        for chunk in manifest.broadcast_chunks:
             if chunk.inplace:
-                temporary = self._needs_temporary(chunk, sources)
+                temporary = self._needs_temporary(chunk, manifest, tensors)
                 while len(inplace) >= self.depth or (temporary and sum(t for *_, t in inplace) >= nbuf):
                     inplace.popleft()[0].wait(deadline)
                 with self.streams.use(self.lane), torch.no_grad():
                     self.streams.wait_for(self.lane, caller)
-                    wire = self._wire_tensor(chunk, sources)
-                    if call.verify:
+                    wire = self._wire_tensor(chunk, manifest, tensors)
+                    if verify:
                         checksums.append(contiguous_checksum(wire))
                     work = self.comm.broadcast(as_bytes(wire), 0, self.streams.stream_pointer(self.lane))
                 inplace.append((work, wire, temporary))
@@ -222,11 +260,11 @@ class BroadcastSender(PackedGroup, SendHalf):
             if pending is not None:
                 pending.wait(deadline)
                 in_flight[slot] = None
-            buffer = self.buffers()[slot]
+            buffer = buffers[slot]
             with self.streams.use(slot), torch.no_grad():
                 self.streams.wait_for(slot, caller)
-                pack_chunk(chunk, self.manifest.specs, sources.tensors, buffer)
-                if call.verify:
+                pack_chunk(chunk, manifest.specs, tensors, buffer)
+                if verify:
                     checksums.append(byte_checksum(buffer, chunk.nbytes))
                 work = self.comm.broadcast(buffer[: chunk.nbytes], 0, self.streams.stream_pointer(slot))
                 in_flight[slot] = work
@@ -238,25 +276,24 @@ class BroadcastSender(PackedGroup, SendHalf):
             work.wait(deadline)
         self.streams.drain(deadline, self._timeout_message("the final broadcast"))
         inplace.clear()
-        self.done()
-        return checksums, ()
+        return checksums
 
-    def _needs_temporary(self, chunk: Chunk, sources: Sources) -> bool:
+    def _needs_temporary(self, chunk: Chunk, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether :meth:`_wire_tensor` makes a copy for this in-place chunk."""
         index = chunk.pieces[0].spec_index
-        source = sources.tensors[index]
+        source = tensors[index]
         return (
             not source.is_contiguous()
-            or source.dtype != self.manifest.specs[index].torch_dtype
+            or source.dtype != manifest.specs[index].torch_dtype
             or source.device != self.comm.device
         )
 
-    def _wire_tensor(self, chunk: Chunk, sources: Sources) -> torch.Tensor:
+    def _wire_tensor(self, chunk: Chunk, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tensor an in-place chunk broadcasts: the source itself when it is contiguous,
         of the wire dtype and on the group's device; else a contiguous wire-dtype copy."""
         index = chunk.pieces[0].spec_index
-        spec = self.manifest.specs[index]
-        return sources.tensors[index].detach().to(device=self.comm.device, dtype=spec.torch_dtype).contiguous()
+        spec = manifest.specs[index]
+        return tensors[index].detach().to(device=self.comm.device, dtype=spec.torch_dtype).contiguous()
 
     def _timeout_message(self, what: str) -> str:
         return f"{self.me}: {what} did not complete in time; a peer in the group is dead, stuck or too slow"
@@ -266,16 +303,19 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
     """Ranks 1..N: agree, then receive every chunk of the broadcast plan into the sink."""
 
     kind = "broadcast"
+    carries_deltas = True
     knows_sender_finished = False
 
-    def _direct_target(self, chunk: Chunk, destinations: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def _direct_target(
+        self, chunk: Chunk, manifest: Manifest, destinations: list[torch.Tensor | None]
+    ) -> torch.Tensor | None:
         """Where an in-place chunk may land as it arrives: the destination's own bytes when it
         is a contiguous tensor of the spec's dtype and shape on the group's device; else None
         (it lands in the scratch buffer and is unpacked from there, never written raw)."""
         if not chunk.inplace:
             return None
         index = chunk.pieces[0].spec_index
-        spec = self.manifest.specs[index]
+        spec = manifest.specs[index]
         dest = destinations[index]
         if (
             dest is None
@@ -289,24 +329,29 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
 
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         deadline = self.deadlines.follower(time.monotonic())
-        manifest = self.manifest
+        manifest: Manifest | None = self.manifest
+        landing: Landing = sink
+        self.agree(deadline)
+        if isinstance(sink, DeltaReceiving):  # a delta session: the header says what follows
+            raw = torch.empty(sink.header_nbytes, dtype=torch.uint8, device=self.comm.device)
+            self.header(raw, deadline)
+            manifest, landing = sink.open(raw)
+        begin()
+        checksums = self._receive_plan(manifest, landing, call.verify, deadline) if manifest is not None else []
+        if isinstance(sink, DeltaReceiving):
+            sink.finish()
+        self.done()
+        return checksums, ()
+
+    def _receive_plan(self, manifest: Manifest, sink: Landing, verify: bool, deadline: float) -> list[int]:
+        """Receive every chunk of ``manifest``'s broadcast plan into ``sink``."""
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
-        nbuf = self.nbuf
-        direct = [self._direct_target(c, destinations) for c in plan]
+        buffers = self.buffers(None if manifest is self.manifest else plan)
+        direct = [self._direct_target(c, manifest, destinations) for c in plan]
         scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
-        # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.
-        resource: list[int | None] = []
-        packed = 0
-        for chunk, target in zip(plan, direct):
-            if not chunk.inplace:
-                resource.append(packed % nbuf)
-                packed += 1
-            else:
-                resource.append(None if target is not None else -1)
-        self.agree(deadline)
-        begin()
+        resource = self._resources(plan, direct)
         posted: dict[int, Work] = {}
         busy: set[int] = set()
         ahead = 0
@@ -323,7 +368,7 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
                 elif held < 0:
                     target = self.scratch(scratch_bytes)[: chunk.nbytes]
                 else:
-                    target = self.buffers()[held][: chunk.nbytes]
+                    target = buffers[held][: chunk.nbytes]
                 lane = self.lane if chunk.inplace else held
                 assert lane is not None
                 with self.streams.use(lane):
@@ -343,19 +388,31 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
             assert lane is not None
             with self.streams.use(lane):
                 if held is None:
-                    if call.verify:
+                    if verify:
                         landed = direct[index]
                         assert landed is not None
                         checksums.append(contiguous_checksum(landed))
                 else:
-                    buffer = self.scratch(scratch_bytes) if held < 0 else self.buffers()[held]
+                    buffer = self.scratch(scratch_bytes) if held < 0 else buffers[held]
                     handed = unpacker.unpack(chunk, buffer)
                     if handed:
                         sink.consume(handed)
-                    if call.verify:
+                    if verify:
                         checksums.append(byte_checksum(buffer, chunk.nbytes))
                     busy.discard(held)
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
-        self.done()
-        return checksums, ()
+        return checksums
+
+    def _resources(self, plan: Sequence[Chunk], direct: list[torch.Tensor | None]) -> list[int | None]:
+        """What each chunk lands in besides its destination: a buffer slot, the scratch (-1),
+        or nothing (straight into the destination)."""
+        resource: list[int | None] = []
+        packed = 0
+        for chunk, target in zip(plan, direct):
+            if not chunk.inplace:
+                resource.append(packed % self.nbuf)
+                packed += 1
+            else:
+                resource.append(None if target is not None else -1)
+        return resource

@@ -1,0 +1,110 @@
+"""The worker's side of one tensor in a delta sync: write a payload's values into a tensor.
+
+:func:`apply_delta` writes the new bit patterns of the changed elements into a tensor
+holding the base (the bytes of the last sync): in place, one write per changed element,
+nothing allocated the size of the tensor. A payload that does not fit its tensor (indices
+out of range, a mask whose bits do not count its values) is refused naming the tensor,
+never written outside it. A held tensor that is not contiguous, or not of the wire dtype,
+is patched through a contiguous copy of the wire dtype (what a dense sync's unpack would
+have copied into it anyway).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from weightsync.core.delta.cpu_kernels import in_parts, kernels, split
+from weightsync.core.delta.encoding import Kind, bits_of, index_dtype, layout
+from weightsync.core.wire.errors import ManifestError
+from weightsync.core.wire.manifest import TensorSpec
+
+
+def payload_values(spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> torch.Tensor:
+    """The new bit patterns inside ``payload`` (a view), one per changed element."""
+    lay = layout(spec, kind, count)
+    if payload.numel() != lay.nbytes:
+        raise ManifestError(
+            f"delta payload of {spec.name!r}: {payload.numel()} bytes, its header says {lay.nbytes} ({kind.name}, "
+            f"{count} element(s)); the two sides are out of step (set up again)"
+        )
+    itemsize = spec.torch_dtype.itemsize
+    raw = payload[lay.values_offset : lay.values_offset + count * itemsize]
+    bits = bits_of(torch.empty(0, dtype=spec.torch_dtype, device=payload.device)).dtype
+    values = raw.view(bits)
+    return values.view(-1, 2) if itemsize == 16 else values
+
+
+def apply_delta(dest: torch.Tensor, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
+    """Write ``payload``'s changed elements into ``dest``, which holds ``spec``'s base bytes."""
+    if kind is Kind.UNCHANGED:
+        return
+    if kind is Kind.DENSE:
+        dest.copy_(payload.view(spec.torch_dtype).view(spec.shape))
+        return
+    if not dest.is_contiguous() or dest.dtype != spec.torch_dtype:
+        held = dest.detach().to(spec.torch_dtype).contiguous()
+        apply_delta(held, spec, kind, count, payload)
+        dest.copy_(held)
+        return
+    values = payload_values(spec, kind, count, payload)
+    positions = payload[: layout(spec, kind, count).positions_nbytes]
+    target = bits_of(dest.detach())
+    loops = kernels() if dest.device.type == "cpu" and spec.torch_dtype.itemsize < 16 else None
+    if kind is Kind.INDICES:
+        idx = positions.view(index_dtype(spec.numel))
+        if loops is not None:
+            out, where, what = target.numpy(), idx.numpy(), values.numpy()
+            bad = sum(in_parts(count, lambda lo, hi: int(loops.scatter(out, where[lo:hi], what[lo:hi], 0))))
+            if bad:
+                raise ManifestError(
+                    f"delta payload of {spec.name!r}: {bad} index(es) outside its {spec.numel} elements"
+                )
+            return
+        idx = idx.long()
+        if count and (int(idx.min()) < 0 or int(idx.max()) >= spec.numel):
+            raise ManifestError(f"delta payload of {spec.name!r}: indices outside its {spec.numel} elements")
+        target.index_copy_(0, idx, values)
+        return
+    if loops is not None:
+        found = _scatter_masked(loops, target, positions, values)
+    else:
+        idx = mask_indices(positions, spec.numel)
+        found = int((positions.numel() * 8 - spec.numel) and _stray_bits(positions, spec.numel)) + idx.numel()
+        if found == count:
+            target.index_copy_(0, idx, values)
+    if found != count:
+        raise ManifestError(
+            f"delta payload of {spec.name!r}: its mask marks {found} element(s), its header says {count}; "
+            "the two sides are out of step (set up again)"
+        )
+
+
+def mask_indices(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat indices (int64, ascending) of the set bits of a payload's bitmask."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    bits = (mask.unsqueeze(1) >> shifts) & 1
+    return bits.view(-1)[:numel].nonzero().view(-1)
+
+
+def _stray_bits(mask: torch.Tensor, numel: int) -> int:
+    """Bits set past the last element (in the mask's last byte)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    bits = (mask[-1:].unsqueeze(1) >> shifts) & 1
+    return int(bits.view(-1)[numel - (mask.numel() - 1) * 8 :].sum())
+
+
+def _scatter_masked(loops: Any, target: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> int:
+    """The numba loop over ``mask``'s bytes, in ranges on a few threads, each range's first
+    value the count of bits set before it; returns the bits set."""
+    mask_np, val_np, dest = mask.numpy(), values.numpy(), target.numpy()
+    ranges = split(mask.numel())
+    starts = {ranges[0][0]: 0}
+    for (lo, hi), (after, _) in itertools.pairwise(ranges):
+        starts[after] = starts[lo] + int(loops.popcount(mask_np[lo:hi]))
+    found = in_parts(
+        mask.numel(), lambda lo, hi: int(loops.scatter_masked(dest[lo * 8 :], mask_np[lo:hi], val_np, starts[lo]))
+    )
+    return sum(found)
