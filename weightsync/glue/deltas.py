@@ -7,7 +7,7 @@ trainer every such token with the next sync (``SyncCall.delta_holds``); the trai
 compares them with its base. Anything that leaves a worker's bytes unknown forgets them:
 a failed sync (every worker: a worker that answered may still have been left dirty by a
 later party's failure), a worker dropped or added. ``delta_keyframe=N`` makes every Nth
-sync dense for everyone. Call order::
+sync that completes dense for everyone (a failed sync is not counted). Call order::
 
     holds = book.holds(members)          # for the SyncCall
     book.heard(results) | book.forget()  # after the round
@@ -31,12 +31,13 @@ class DeltaBook:
         """Per worker of this sync, the token it holds; none on a keyframe (every worker dense)."""
         if not self.enabled:
             return ()
-        self._syncs += 1
-        if self.keyframe is not None and self._syncs % self.keyframe == 0:
+        if self.keyframe is not None and (self._syncs + 1) % self.keyframe == 0:
             return ()
         return tuple((w, self._held[w]) for w in workers if w in self._held)
 
     def heard(self, results: Mapping[str, ReceiveResult]) -> None:
+        """A sync completed: what each of its workers now holds."""
+        self._syncs += 1
         for name, result in results.items():
             if result.token:
                 self._held[name] = result.token
