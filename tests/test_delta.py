@@ -177,7 +177,7 @@ def _sync(encoder: DeltaEncoder, manifest: Manifest, trainer: nn.Module, sink: A
     tensors = [t for _, t in module_tensors(trainer)]
     holds = (("w", held),) if held else ()
     prepared = encoder.prepare(manifest, tensors, False, torch.device("cpu"), holds)
-    header, plan, sources = prepared.for_peers(["w"])
+    header, _, sources = prepared.for_peers(["w"])
     receiving = DeltaReceiving(sink, manifest, held, "w")
     target_manifest, landing = receiving.open(header.to_tensor(manifest, torch.device("cpu")))
     if target_manifest is not None:

@@ -9,7 +9,6 @@ import functools
 from typing import Any
 
 import pytest
-import ray
 import torch
 from torch import nn
 
@@ -121,4 +120,3 @@ def nudge(model: nn.Module, seed: int) -> None:
                 flat[picked] = fresh.view(flat.dtype)[picked] if flat.dtype != torch.bool else ~flat[picked]
 
 
-del ray
