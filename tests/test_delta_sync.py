@@ -118,5 +118,3 @@ def nudge(model: nn.Module, seed: int) -> None:
                 picked[0] = True
                 fresh = torch.randint(0, 256, (flat.numel() * flat.element_size(),), dtype=torch.uint8, generator=gen)
                 flat[picked] = fresh.view(flat.dtype)[picked] if flat.dtype != torch.bool else ~flat[picked]
-
-
