@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -186,3 +187,17 @@ class DeltaEncoder:
         with torch.no_grad():
             for index in range(start, len(manifest.specs)):
                 self.base.tensors[index].copy_(tensors[index])
+
+
+def half_plan(
+    sources: Any, manifest: Manifest, peers: Collection[str]
+) -> tuple[SyncHeader, Manifest | None, Sequence[torch.Tensor]]:
+    """What a send half of a delta session sends its ``peers``: the header, the Manifest of
+    what follows it (the session's, or the payloads'; None: nothing changed) and the tensors
+    to read. ``sources.delta`` is the sync as the encoder prepared it (None: a dense header
+    naming nothing, and the trainer's own tensors)."""
+    prepared: PreparedSync | None = sources.delta
+    if prepared is None:
+        return SyncHeader(Mode.DENSE, 0, 0), manifest, sources.tensors
+    header, plan, tensors = prepared.for_peers(peers)
+    return header, (plan.manifest if plan is not None else manifest), tensors

@@ -17,17 +17,18 @@ operations hold no buffer, so both sides keep up to :data:`INPLACE_DEPTH` of the
 receiver's ready message and a peer's wake-up, which several operations in flight hide
 (see docs/benchmarks.md, "CPU broadcast knobs"). Receivers keep that many
 operations posted ahead, whatever their kind; a packed chunk still waits for its buffer.
-In-place operations run on their own stream (on a GPU). Buffers are allocated once per session and reused; an
-in-flight chunk's buffer stays referenced until its broadcast completed, and both sides
-drain every stream before returning. With ``verify``, every chunk of the plan, in-place
+In-place operations run on their own stream (on a GPU). Buffers are allocated once per
+session and reused; an in-flight chunk's buffer stays referenced until its broadcast
+completed, and both sides drain every stream before returning. With ``verify``, every chunk of the plan, in-place
 ones included, has a checksum on both sides.
 
 Every sync starts with an agreement, one tiny all-reduce in which each rank says whether it
 can go ahead: a rank that failed before any byte moved (a worker refusing the version, a
 trainer whose model changed) says no there, and every rank stops at once, naming it, with
 the group intact and nobody's weights touched. A failure after that aborts the group, which
-fails every peer's pending operation instead of leaving it to its deadline. Per sync, on
-every rank at once::
+fails every peer's pending operation instead of leaving it to its deadline. In a delta
+session the delta header (:mod:`weightsync.core.delta.header`) follows the agreement, and
+the plan it announces (the Manifest's, or the payloads') is the one walked. Per sync::
 
     BroadcastSender.send(sources, call)              # rank 0
     BroadcastReceiver.receive(sink, call, begin)     # ranks 1..N
@@ -43,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from weightsync.core.delta.header import Mode, SyncHeader
+from weightsync.core.delta.encoder import half_plan
 from weightsync.core.delta.landing import DeltaReceiving
 from weightsync.core.halves import Landing, ReceiveHalf, SendHalf, Sources
 from weightsync.core.packing import ChunkUnpacker, as_bytes, byte_checksum, contiguous_checksum, pack_chunk
@@ -56,11 +57,8 @@ from weightsync.mechanisms.streams import SlotStreams
 
 log = logging.getLogger("weightsync")
 
-#: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger).
-#: Measured on the 2-core CPU machine, variants interleaved in one run (docs/benchmarks.md,
-#: "CPU broadcast knobs"): under load, the 1 GB policy (all but 70 KB of it in place) to 2
-#: receivers synced 1.03-1.27x faster with 4 in flight than with 2 (three runs), and 8 was
-#: no better; on a quiet machine 2, 4 and 8 are within 4% of each other at 100 MB and 1 GB.
+#: The fewest in-place operations each side keeps in flight (``num_buffers`` when larger;
+#: docs/benchmarks.md, "CPU broadcast knobs": 1.03-1.27x faster than 2 under load).
 INPLACE_DEPTH = 4
 
 
@@ -122,24 +120,20 @@ class PackedGroup:
         return self.members[self.comm.rank]
 
     def buffers(self, plan: Sequence[Chunk] | None = None) -> list[torch.Tensor]:
-        """The packing buffers, allocated on first use: each as large as the plan's largest
-        packed chunk (at most ``buffer_bytes``; with most bytes in place, much less). A
-        delta sync's payload plan (``plan``) may need them larger: they grow, never past
-        ``buffer_bytes``, between syncs (nothing is in flight when a plan starts)."""
+        """The packing buffers, allocated on first use, each as large as the largest packed
+        chunk of the plan (the Manifest's, or a delta sync's ``plan``, for which they may
+        grow between syncs); at most ``buffer_bytes``, with most bytes in place much less."""
         chunks = self.manifest.broadcast_chunks if plan is None else plan
         packed = [c.nbytes for c in chunks if not c.inplace]
         need = max(packed, default=0)
-        # Packed chunk p uses buffer p % nbuf: never more buffers than packed chunks.
-        count = max(1, min(self.nbuf, len(packed)))
+        count = max(1, min(self.nbuf, len(packed)))  # chunk p uses buffer p % nbuf
         if not self._buffers or len(self._buffers) < count or self._buffers[0].numel() < need:
             need = max(need, self._buffers[0].numel() if self._buffers else 0)
-            self._buffers = []
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.comm.device) for _ in range(count)]
         return self._buffers
 
     def header(self, raw: torch.Tensor, deadline: float) -> None:
-        """Broadcast a delta session's header (rank 0 sends ``raw``, the others receive into
-        it), before anything else of the sync."""
+        """Broadcast a delta session's header ``raw`` from rank 0, first thing in the sync."""
         with self.streams.use(self.lane):
             work = self.comm.broadcast(raw, 0, self.streams.stream_pointer(self.lane))
         self.in_flight.append(work)
@@ -215,14 +209,8 @@ class BroadcastSender(PackedGroup, SendHalf):
         manifest: Manifest | None = self.manifest
         tensors = sources.tensors
         if self.manifest.agreed.delta:  # a delta session: the header first, then its plan
-            prepared = sources.delta
-            header, plan, tensors = (
-                prepared.for_peers(call.to(self.kind))
-                if prepared is not None
-                else (SyncHeader(Mode.DENSE, 0, 0), None, tensors)
-            )
+            header, manifest, tensors = half_plan(sources, self.manifest, call.to(self.kind))
             self.header(header.to_tensor(self.manifest, self.comm.device), deadline)
-            manifest = plan.manifest if plan is not None else self.manifest
         checksums = self._send_plan(manifest, tensors, call.verify, deadline) if manifest is not None else []
         self.done()
         return checksums, ()
@@ -230,7 +218,6 @@ class BroadcastSender(PackedGroup, SendHalf):
     def _send_plan(
         self, manifest: Manifest, tensors: Sequence[torch.Tensor], verify: bool, deadline: float
     ) -> list[int]:
-        """Broadcast every chunk of ``manifest``'s broadcast plan from ``tensors``."""
         nbuf = self.nbuf
         in_flight: list[Work | None] = [None] * nbuf
         # In-place broadcasts in flight, with the tensor each reads and whether that is a
@@ -311,7 +298,7 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
     ) -> torch.Tensor | None:
         """Where an in-place chunk may land as it arrives: the destination's own bytes when it
         is a contiguous tensor of the spec's dtype and shape on the group's device; else None
-        (it lands in the scratch buffer and is unpacked from there, never written raw)."""
+        (the scratch buffer, unpacked from there)."""
         if not chunk.inplace:
             return None
         index = chunk.pieces[0].spec_index
@@ -339,12 +326,11 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
         begin()
         checksums = self._receive_plan(manifest, landing, call.verify, deadline) if manifest is not None else []
         if isinstance(sink, DeltaReceiving):
-            sink.finish()
+            sink.finish()  # a loader that takes every tensor of a delta sync gets the rest
         self.done()
         return checksums, ()
 
     def _receive_plan(self, manifest: Manifest, sink: Landing, verify: bool, deadline: float) -> list[int]:
-        """Receive every chunk of ``manifest``'s broadcast plan into ``sink``."""
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
@@ -407,12 +393,8 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
     def _resources(self, plan: Sequence[Chunk], direct: list[torch.Tensor | None]) -> list[int | None]:
         """What each chunk lands in besides its destination: a buffer slot, the scratch (-1),
         or nothing (straight into the destination)."""
-        resource: list[int | None] = []
-        packed = 0
-        for chunk, target in zip(plan, direct):
-            if not chunk.inplace:
-                resource.append(packed % self.nbuf)
-                packed += 1
-            else:
-                resource.append(None if target is not None else -1)
-        return resource
+        packed = [sum(1 for c in plan[:i] if not c.inplace) for i in range(len(plan))]
+        return [
+            (n % self.nbuf) if not c.inplace else (None if d is not None else -1)
+            for c, d, n in zip(plan, direct, packed)
+        ]
