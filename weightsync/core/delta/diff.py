@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightsync.core.delta.cpu_kernels import in_parts, kernels
@@ -113,8 +114,8 @@ class Differ:
         kind = best_kind(spec, count)
         if kind is Kind.UNCHANGED:
             return TensorDiff(kind, 0)
-        idx = torch.cat(idx_parts) if len(idx_parts) > 1 else idx_parts[0]
-        values = torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0]
+        idx = torch.from_numpy(np.concatenate([t.numpy() for t in idx_parts]))
+        values = torch.from_numpy(np.concatenate([t.numpy() for t in val_parts]))
         if kind is Kind.DENSE:  # smaller than dense by no encoding: the base already took it
             return TensorDiff(kind, numel)
         return TensorDiff(kind, count, build_payload(spec, kind, idx, values))
@@ -185,11 +186,14 @@ def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
 def _gather(
     idx: torch.Tensor, values: torch.Tensor, starts: list[int], counts: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outputs of each range, written from ``starts[t]``, as two tensors of their own."""
-    if len(counts) == 1:
-        return idx[: counts[0]].clone(), values[: counts[0]].clone()
-    pick = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)])
-    return idx[pick], values[pick]
+    """The outputs of each range, written from ``starts[t]``, as two tensors of their own
+    (copied with numpy: a plain copy on this thread, where a torch op would wake its
+    OpenMP threads, which on a loaded machine cost more than the copy)."""
+    i, v = idx.numpy(), values.numpy()
+    return (
+        torch.from_numpy(np.concatenate([i[a : a + c] for a, c in zip(starts, counts)])),
+        torch.from_numpy(np.concatenate([v[a : a + c] for a, c in zip(starts, counts)])),
+    )
 
 
 def _diff_range(
