@@ -5,74 +5,87 @@ every element changed. Prints each sync and the medians (docs/benchmarks.md, "De
     .venv/bin/python scripts/delta_sync.py
 """
 
+from __future__ import annotations
+
 import dataclasses
 import os
 import statistics
+from collections.abc import Callable
+from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-import ray
-import torch
 
-import weightsync
-from weightsync.glue.actors import TrainerActor, WorkerActor
-from weightsync.tools.cluster import connect
-from weightsync.tools.models import PolicyFactory, build_policy, train_step
+import ray  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-
-class F:
-    def __init__(s, dtype, seed):
-        s.cfg = dataclasses.replace(PolicyFactory("1gb", seed).cfg, dtype=dtype)
-
-    def __call__(s):
-        return build_policy(s.cfg)
+import weightsync  # noqa: E402
+from weightsync.glue.actors import TrainerActor, WorkerActor  # noqa: E402
+from weightsync.tools.cluster import connect  # noqa: E402
+from weightsync.tools.models import PolicyFactory, build_policy, train_step  # noqa: E402
 
 
-def step(model, v):
-    return train_step(model, v, lr=1e-6)
+class Policy:
+    def __init__(self, dtype: str, seed: int) -> None:
+        self.cfg = dataclasses.replace(PolicyFactory("1gb", seed).cfg, dtype=dtype)
+
+    def __call__(self) -> nn.Module:
+        return build_policy(self.cfg)
 
 
-def all_changed(model, v):
+def adamw(model: nn.Module, version: int) -> float:
+    return train_step(model, version, lr=1e-6)  # type: ignore[arg-type]
+
+
+def all_changed(model: nn.Module, version: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.01)
 
 
-if __name__ == "__main__":
+def main() -> None:
     connect()
-    t = TrainerActor.options(num_cpus=0).remote(F("float32", 0), wire_dtype=torch.bfloat16)
-    ws_ = [WorkerActor.options(num_cpus=0).remote(F("bfloat16", i + 1)) for i in range(2)]
-    v = 0
+    trainer = TrainerActor.options(num_cpus=0).remote(Policy("float32", 0), wire_dtype=torch.bfloat16)
+    workers = [WorkerActor.options(num_cpus=0).remote(Policy("bfloat16", i + 1)) for i in range(2)]
+    version = 0
 
-    def run(ws, prep, n):
-        global v
+    def run(ws: Any, prepare: Callable[[nn.Module, int], object] | None, count: int) -> list[Any]:
+        nonlocal version
         out = []
-        for _ in range(n):
-            v += 1
-            if prep:
-                ray.get(t.call.remote(prep, v), timeout=600)
-            r = ws.sync(v)
-            out.append(r)
-            print(f"  {r.summary()}", flush=True)
+        for _ in range(count):
+            version += 1
+            if prepare is not None:
+                ray.get(trainer.call.remote(prepare, version), timeout=600)
+            report = ws.sync(version)
+            out.append(report)
+            print(f"  {report.summary()}", flush=True)
         return out
 
-    dense = weightsync.WeightSync(t, ws_, transport="broadcast", timeout_s=600)
-    dense.setup()
+    def median(reports: list[Any]) -> float:
+        return statistics.median(r.seconds for r in reports)
+
+    dense = weightsync.WeightSync(trainer, workers, transport="broadcast", timeout_s=600)
     run(dense, None, 1)
-    d = run(dense, None, 3)
+    dense_runs = run(dense, None, 3)
     dense.close()
-    delta = weightsync.WeightSync(t, ws_, transport="broadcast", timeout_s=600, delta=True)
-    delta.setup()
+    delta = weightsync.WeightSync(trainer, workers, transport="broadcast", timeout_s=600, delta=True)
     run(delta, None, 1)
-    run(delta, step, 1)
-    s = run(delta, step, 3)
-    a = run(delta, all_changed, 3)
-    dense2 = weightsync.WeightSync(t, ws_, transport="broadcast", timeout_s=600)
-    dense2.setup()
-    d2 = run(dense2, None, 3)
-    dense2.close()
-    med = lambda rs: statistics.median(r.seconds for r in rs)
-    dm = med(d + d2)
+    run(delta, adamw, 1)
+    sparse = run(delta, adamw, 3)
+    full = run(delta, all_changed, 3)
+    delta.close()
+    dense = weightsync.WeightSync(trainer, workers, transport="broadcast", timeout_s=600)
+    dense_runs += run(dense, None, 3)
+    dense.close()
+    base = median(dense_runs)
+    share = statistics.median(r.sent_bytes / r.bytes for r in sparse)
     print(
-        f"dense median {dm * 1e3:.1f} ms; delta after AdamW lr1e-6 median {med(s) * 1e3:.1f} ms ({dm / med(s):.2f}x faster), sent {statistics.median(r.sent_bytes / r.bytes for r in s) * 100:.1f}%; 100% changed median {med(a) * 1e3:.1f} ms ({med(a) / dm:.3f}x dense), sent {statistics.median(r.sent_bytes / r.bytes for r in a) * 100:.1f}%"
+        f"dense median {base * 1e3:.1f} ms; delta after AdamW lr 1e-6: {median(sparse) * 1e3:.1f} ms "
+        f"({base / median(sparse):.2f}x faster), sent {share * 100:.1f}%; all changed: "
+        f"{median(full) * 1e3:.1f} ms ({median(full) / base:.3f}x dense)"
     )
+
+
+if __name__ == "__main__":
+    main()
