@@ -16,14 +16,14 @@ from typing import Any
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import ray
+import torch
+from torch import nn
 
-import weightsync  # noqa: E402
-from weightsync.glue.actors import TrainerActor, WorkerActor  # noqa: E402
-from weightsync.tools.cluster import connect  # noqa: E402
-from weightsync.tools.models import PolicyFactory, build_policy, train_step  # noqa: E402
+import weightsync
+from weightsync.glue.actors import TrainerActor, WorkerActor
+from weightsync.tools.cluster import connect
+from weightsync.tools.models import PolicyFactory, build_policy, train_step
 
 
 class Policy:
