@@ -11,12 +11,10 @@ have copied into it anyway).
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import torch
 
-from weightsync.core.delta.cpu_kernels import in_parts, kernels, split
+from weightsync.core.delta.cpu_diff import bits_np
+from weightsync.core.delta.cpu_kernels import kernels
 from weightsync.core.delta.encoding import Kind, bits_of, index_dtype, layout
 from weightsync.core.wire.errors import ManifestError
 from weightsync.core.wire.manifest import TensorSpec
@@ -56,8 +54,7 @@ def apply_delta(dest: torch.Tensor, spec: TensorSpec, kind: Kind, count: int, pa
     if kind is Kind.INDICES:
         idx = positions.view(index_dtype(spec.numel))
         if loops is not None:
-            out, where, what = target.numpy(), idx.numpy(), values.numpy()
-            bad = sum(in_parts(count, lambda lo, hi: int(loops.scatter(out, where[lo:hi], what[lo:hi], 0))))
+            bad = int(loops.scatter(bits_np(dest.detach()), idx.numpy(), bits_np(values), 0))
             if bad:
                 raise ManifestError(
                     f"delta payload of {spec.name!r}: {bad} index(es) outside its {spec.numel} elements"
@@ -69,7 +66,7 @@ def apply_delta(dest: torch.Tensor, spec: TensorSpec, kind: Kind, count: int, pa
         target.index_copy_(0, idx, values)
         return
     if loops is not None:
-        found = _scatter_masked(loops, target, positions, values)
+        found = int(loops.scatter_masked(bits_np(dest.detach()), positions.numpy(), bits_np(values)))
     else:
         idx = mask_indices(positions, spec.numel)
         found = int((positions.numel() * 8 - spec.numel) and _stray_bits(positions, spec.numel)) + idx.numel()
@@ -94,17 +91,3 @@ def _stray_bits(mask: torch.Tensor, numel: int) -> int:
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
     bits = (mask[-1:].unsqueeze(1) >> shifts) & 1
     return int(bits.view(-1)[numel - (mask.numel() - 1) * 8 :].sum())
-
-
-def _scatter_masked(loops: Any, target: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> int:
-    """The numba loop over ``mask``'s bytes, in ranges on a few threads, each range's first
-    value the count of bits set before it; returns the bits set."""
-    mask_np, val_np, dest = mask.numpy(), values.numpy(), target.numpy()
-    ranges = split(mask.numel())
-    starts = {ranges[0][0]: 0}
-    for (lo, hi), (after, _) in itertools.pairwise(ranges):
-        starts[after] = starts[lo] + int(loops.popcount(mask_np[lo:hi]))
-    found = in_parts(
-        mask.numel(), lambda lo, hi: int(loops.scatter_masked(dest[lo * 8 :], mask_np[lo:hi], val_np, starts[lo]))
-    )
-    return sum(found)

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from weightsync.core.delta.cpu_diff import Budget
 from weightsync.core.delta.diff import Differ
-from weightsync.core.delta.encoding import Kind, encode_code
+from weightsync.core.delta.encoding import encode_code
 from weightsync.core.delta.header import Mode, PayloadPlan, SyncHeader, new_token, plan_payload
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -156,28 +157,20 @@ class DeltaEncoder:
         self, manifest: Manifest, tensors: Sequence[torch.Tensor], streamed: bool, dense_header: SyncHeader
     ) -> PreparedSync:
         base = self.base
-        codes: list[int] = []
-        payloads: dict[int, torch.Tensor] = {}
-        read = sent = 0
-        for index, spec in enumerate(manifest.specs):
-            got = self.differ.diff(spec, tensors[index], base.tensors[index])
-            codes.append(encode_code(got.kind, got.count))
-            if got.payload is not None:
-                payloads[index] = got.payload
-            read += spec.nbytes
-            sent += spec.nbytes if got.kind is Kind.DENSE else (got.payload.numel() if got.payload is not None else 0)
-            if read * 16 >= manifest.total_bytes and sent > GIVE_UP_SYNC * read:
-                done = index + 1
-                if streamed:
-                    self._fill(manifest, tensors, done)
-                    return PreparedSync(dense_header, base.tensors)
-                return PreparedSync(dense_header, BaseFill(base, tensors, range(done)))
-        plan = plan_payload(manifest, tuple(codes))
+        budget = Budget(manifest.total_bytes, GIVE_UP_SYNC)
+        diffs = self.differ.diff_all(manifest.specs, tensors, base.tensors, budget, stop=not streamed)
+        if budget.gave_up:  # dense for everyone; the rest of the base filled as it is read
+            if streamed:
+                return PreparedSync(dense_header, base.tensors)
+            return PreparedSync(dense_header, BaseFill(base, tensors, range(len(diffs))))
+        codes = tuple(encode_code(d.kind, d.count) for d in diffs)
+        plan = plan_payload(manifest, codes)
+        payloads = {i: d.payload for i, d in enumerate(diffs) if d.payload is not None}
         sources = [payloads[i] if i in payloads else base.tensors[i] for i in plan.origin]
         return PreparedSync(
             dense_header,
             base.tensors,
-            delta_header=SyncHeader(Mode.DELTA, 0, 0, tuple(codes)),
+            delta_header=SyncHeader(Mode.DELTA, 0, 0, codes),
             plan=plan,
             payloads=sources,
         )
