@@ -28,6 +28,23 @@ def policy(dtype: str, seed: int) -> nn.Module:
     return build_policy(replace(SIZE, dtype=dtype, seed=seed))
 
 
+def loading_policy(seed: int) -> nn.Module:
+    """A bf16 policy that loads the way engines do: ``load_weights`` by name, a copy each."""
+    model = policy("bfloat16", seed)
+    held = dict(module_tensors(model))
+
+    def load_weights(weights: Any) -> set[str]:
+        names = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                held[name].copy_(tensor)
+                names.add(name)
+        return names
+
+    model.load_weights = load_weights  # type: ignore[assignment]
+    return model
+
+
 def wire_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Run in the trainer: every tensor as it travels (bf16 for floating ones)."""
     return {n: t.detach().to(torch.bfloat16 if t.is_floating_point() else t.dtype) for n, t in module_tensors(model)}
@@ -118,3 +135,30 @@ def nudge(model: nn.Module, seed: int) -> None:
                 picked[0] = True
                 fresh = torch.randint(0, 256, (flat.numel() * flat.element_size(),), dtype=torch.uint8, generator=gen)
                 flat[picked] = fresh.view(flat.dtype)[picked] if flat.dtype != torch.bool else ~flat[picked]
+
+
+def test_ipc_and_broadcast_workers_in_one_sync_each_get_deltas_bit_exact(actors: Any) -> None:
+    """ipc carries deltas too: a module sink patches in place, a load_weights sink rebuilds
+    from its own copy; each transport's bytes are counted once in sent_bytes."""
+    trainer = actors.add(
+        TrainerActor.options(num_cpus=0).remote(functools.partial(policy, "float32", 0), wire_dtype=torch.bfloat16)
+    )
+    workers = {
+        "shm-module": worker_of(actors, functools.partial(policy, "bfloat16", 1)),
+        "shm-loader": worker_of(actors, functools.partial(loading_policy, 2), sink="load_weights"),
+        "remote": worker_of(actors, functools.partial(policy, "bfloat16", 3)),
+    }
+    transport = {"shm-module": "ipc", "shm-loader": "ipc", "remote": "broadcast"}
+    with weightsync.WeightSync(
+        trainer, workers, transport=transport, delta=True, buffer_bytes=64 * 1024, timeout_s=60
+    ) as ws:
+        first = ws.sync(1)
+        assert set(encodings(first).values()) == {"dense"}
+        assert first.sent_bytes > 2 * first.bytes  # two transports, each its header and every byte
+        for version in range(2, 5):
+            get(trainer.call.remote(train_step, version, 1e-6))
+            report = ws.sync(version, verify=version == 3)
+            assert set(encodings(report).values()) == {"delta"}, report.summary()
+            assert report.sent_bytes < report.bytes, report.summary()  # both transports' deltas together
+            assert_same(trainer, list(workers.values()))
+        ws.verify()

@@ -111,6 +111,10 @@ class SendHalf(abc.ABC):
     #: True when, in a delta session, every sync of this half starts with the delta header
     #: and may carry a delta (``weightsync.core.delta``); the others always send dense.
     carries_deltas: ClassVar[bool] = False
+    #: Set by :meth:`send` to the bytes this half moved in the sync (each once, whatever
+    #: its peers) when that is not the Manifest's total: a delta, or a rank that sends only
+    #: its own rows. The sender clears it before every sync.
+    sent_nbytes: int | None = None
 
     @abc.abstractmethod
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:

@@ -237,7 +237,7 @@ class WeightSender:
             stale=stale,
             seconds=time.perf_counter() - start,
             tensor_checksums=sources.checksums or [],
-            sent_bytes=DeltaSending.sent_bytes(self.current_manifest, self.halves, call, sources.delta),
+            sent_bytes=self.sent_bytes(call),
         )
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
@@ -247,6 +247,8 @@ class WeightSender:
         destination is compared with before it commits."""
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
+        for kind in call.kinds:
+            self.open_half(kind).sent_nbytes = None
         if call.verify:
             specs = self.current_manifest.specs
             with torch.no_grad():
@@ -280,6 +282,12 @@ class WeightSender:
         if prepared is not None:
             prepared.complete()
         return checksums, stale
+
+    def sent_bytes(self, call: SyncCall) -> dict[str, int]:
+        """Per transport of the sync just sent, the bytes it moved (each once, whatever its
+        peers): what the half says (a delta, a rank's own rows), else the Manifest's."""
+        total = self.current_manifest.total_bytes
+        return {kind: n if (n := self.open_half(kind).sent_nbytes) is not None else total for kind in call.kinds}
 
     def _riders(self, sources: Sources, call: SyncCall, deadline: float) -> dict[str, Rider]:
         """On streamed sources, the halves that ride the walk of another (none when no half

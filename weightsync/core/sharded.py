@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from weightsync.core.delta.sending import DeltaSending
 from weightsync.core.dtensors import is_dtensor
 from weightsync.core.gathering import GatheredTensors, Wait, plan_buckets
 from weightsync.core.halves import Sources, shed_traceback
@@ -207,13 +206,12 @@ class ShardedSender(WeightSender):
             self.abort_halves(call, failure)
             raise failure
         sums = streamed.checksums if streamed is not None and streamed.checksums else []
-        prepared = streamed.delta if streamed is not None else None
         return SendResult(
             checksums=checksums,
             stale=stale,
             seconds=time.perf_counter() - start,
             tensor_checksums=sums,
-            sent_bytes=DeltaSending.sent_bytes(self.current_manifest, self.halves, call, prepared),
+            sent_bytes=self.sent_bytes(call),
         )
 
     def checksums(self) -> list[int]:

@@ -48,6 +48,12 @@ def header_nbytes(manifest: Manifest) -> int:
     return 8 * (_WORDS + len(manifest.specs))
 
 
+def header_manifest(manifest: Manifest) -> Manifest:
+    """The header as a Manifest of one uint8 tensor, planned with the session's settings:
+    how a transport that moves chunks through slots (ipc) carries it, as its first chunk."""
+    return Manifest.planned([TensorSpec("delta header", (header_nbytes(manifest),), "uint8")], manifest.agreed)
+
+
 @dataclass(frozen=True)
 class SyncHeader:
     """What a delta session's sync starts with (see the module doc)."""

@@ -73,6 +73,29 @@ class DeltaLanding:
         raise TypeError("a delta sync's payloads take no direct writes")
 
 
+class HeaderCatch:
+    """A Landing for the one tensor of :func:`~weightsync.core.delta.header.header_manifest`:
+    keeps a copy of the header's bytes (``raw``) for :meth:`DeltaReceiving.open`."""
+
+    keeps_references = False
+
+    def __init__(self) -> None:
+        self.raw: torch.Tensor | None = None
+
+    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
+        return [None]
+
+    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        for _, tensor in items:
+            self.raw = tensor.clone()
+
+    def direct_tensors(self, manifest: Manifest) -> None:
+        return None
+
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        raise TypeError("a delta header takes no direct writes")
+
+
 class DeltaReceiving:
     """A worker's sink as a delta session's receive half sees it (see the module doc)."""
 

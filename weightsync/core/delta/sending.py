@@ -7,18 +7,17 @@ with its base's memory. Per sync, before the transports run::
     prepared = sending.prepare(manifest, halves, sources, call, device)   # None: no half
                                                                          # carries deltas
     ... the halves send; then prepared.complete()
-    sending.sent_bytes(manifest, halves, call, prepared)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from weightsync.core.delta.encoder import DeltaEncoder, PreparedSync
-from weightsync.core.delta.header import header_nbytes
+from weightsync.core.delta.encoder import DeltaEncoder, PreparedSync, half_plan
+from weightsync.core.delta.header import header_manifest
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 
@@ -46,15 +45,17 @@ class DeltaSending:
         with torch.no_grad():
             return self.encoder.prepare(manifest, sources.tensors, sources.streamed, place, call.delta_holds)
 
-    @staticmethod
-    def sent_bytes(
-        manifest: Manifest, halves: Mapping[str, Any], call: SyncCall, prepared: PreparedSync | None
-    ) -> dict[str, int]:
-        """Per transport of ``call``, the bytes it moved (a delta header included)."""
-        sent = {}
-        for kind in call.kinds:
-            if prepared is not None and halves[kind].carries_deltas:
-                sent[kind] = header_nbytes(manifest) + prepared.sent_nbytes(call.to(kind), manifest)
-            else:
-                sent[kind] = manifest.total_bytes
-        return sent
+
+def delta_steps(
+    sources: Any, manifest: Manifest, peers: Collection[str], device: torch.device
+) -> list[tuple[Manifest, Sequence[torch.Tensor]]]:
+    """A delta session's sync as a transport that moves chunks sends it to ``peers``: the
+    header as a Manifest of its own, then the plan it announces (the session's, or the
+    payloads'; left out when nothing changed), each with the tensors to read."""
+    header, follows, tensors = half_plan(sources, manifest, peers)
+    steps: list[tuple[Manifest, Sequence[torch.Tensor]]] = [
+        (header_manifest(manifest), [header.to_tensor(manifest, device)])
+    ]
+    if follows is not None:
+        steps.append((follows, tensors))
+    return steps

@@ -15,12 +15,11 @@ such tensor, and unpacks from there exactly as it unpacks a packed chunk. In-pla
 operations hold no buffer, so both sides keep up to :data:`INPLACE_DEPTH` of them in flight
 (``num_buffers`` when that is larger): on a CPU every gloo operation waits for a
 receiver's ready message and a peer's wake-up, which several operations in flight hide
-(see docs/benchmarks.md, "CPU broadcast knobs"). Receivers keep that many
-operations posted ahead, whatever their kind; a packed chunk still waits for its buffer.
-In-place operations run on their own stream (on a GPU). Buffers are allocated once per
-session and reused; an in-flight chunk's buffer stays referenced until its broadcast
-completed, and both sides drain every stream before returning. With ``verify``, every chunk of the plan, in-place
-ones included, has a checksum on both sides.
+(docs/benchmarks.md, "CPU broadcast knobs"). Receivers keep that many operations posted
+ahead, whatever their kind; a packed chunk still waits for its buffer. In-place operations
+run on their own stream (on a GPU). Buffers are allocated once per session and reused; an
+in-flight chunk's buffer stays referenced until its broadcast completed, and both sides
+drain every stream before returning. With ``verify``, every chunk has a checksum on both sides.
 
 Every sync starts with an agreement, one tiny all-reduce in which each rank says whether it
 can go ahead: a rank that failed before any byte moved (a worker refusing the version, a
@@ -135,9 +134,8 @@ class PackedGroup:
     def header(self, raw: torch.Tensor, deadline: float) -> None:
         """Broadcast a delta session's header ``raw`` from rank 0, first thing in the sync."""
         with self.streams.use(self.lane):
-            work = self.comm.broadcast(raw, 0, self.streams.stream_pointer(self.lane))
-        self.in_flight.append(work)
-        work.wait(deadline)
+            self.in_flight.append(self.comm.broadcast(raw, 0, self.streams.stream_pointer(self.lane)))
+        self.in_flight[-1].wait(deadline)
         self.streams.drain(deadline, f"{self.me}: the delta header did not arrive in time")
 
     def scratch(self, nbytes: int) -> torch.Tensor:
@@ -210,7 +208,9 @@ class BroadcastSender(PackedGroup, SendHalf):
         tensors = sources.tensors
         if self.manifest.agreed.delta:  # a delta session: the header first, then its plan
             header, manifest, tensors = half_plan(sources, self.manifest, call.to(self.kind))
-            self.header(header.to_tensor(self.manifest, self.comm.device), deadline)
+            raw = header.to_tensor(self.manifest, self.comm.device)
+            self.header(raw, deadline)
+            self.sent_nbytes = raw.numel() + (manifest.total_bytes if manifest is not None else 0)
         checksums = self._send_plan(manifest, tensors, call.verify, deadline) if manifest is not None else []
         self.done()
         return checksums, ()
