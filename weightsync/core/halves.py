@@ -88,6 +88,9 @@ class Sources:
         #: encoder.PreparedSync``): a half that carries deltas asks it what to send its
         #: peers (``for_peers``); None outside delta sessions.
         self.delta: Any = None
+        #: The party's delta session (``weightsync.core.delta.sending.DeltaSending``), for a
+        #: half that encodes its own tensors (``SendHalf.own_deltas``); None without deltas.
+        self.deltas: Any = None
 
 
 class Rider(Protocol):
@@ -111,6 +114,10 @@ class SendHalf(abc.ABC):
     #: True when, in a delta session, every sync of this half starts with the delta header
     #: and may carry a delta (``weightsync.core.delta``); the others always send dense.
     carries_deltas: ClassVar[bool] = False
+    #: True for a half that, in a delta session, encodes its own tensors with an encoder of
+    #: its own (``Sources.deltas.encoder_for(kind)``: owner sends, each rank its rows), so
+    #: the sender's one encoding walk does not serve it.
+    own_deltas: ClassVar[bool] = False
     #: Set by :meth:`send` to the bytes this half moved in the sync (each once, whatever
     #: its peers) when that is not the Manifest's total: a delta, or a rank that sends only
     #: its own rows. The sender clears it before every sync.

@@ -264,6 +264,7 @@ class WeightSender:
             # The encoder made this sync's one walk: every half sends from the base.
             walked = Sources(prepared.dense, None, local=sources.local)
             walked.checksums, walked.delta, sources = sources.checksums, prepared, walked
+        sources.deltas = self.delta if self.current_manifest.agreed.delta else None
         riders = self._riders(sources, call, deadline)
         shared = RiddenTensors(sources.tensors, list(riders.values())) if riders else None
         carried = Sources(shared, None, streamed=True, local=sources.local) if shared is not None else sources

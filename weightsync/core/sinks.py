@@ -18,6 +18,7 @@ from torch import nn
 
 from weightsync.core.delta.apply import apply_delta
 from weightsync.core.delta.encoding import Kind
+from weightsync.core.delta.wire_copy import WireCopy
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
@@ -198,6 +199,11 @@ class ModuleSink:
         with torch.no_grad():
             apply_delta(self._order[index].data, spec, kind, count, payload)
 
+    def rows_target(self, index: int, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        """Owner sends in a delta session: the held tensor whose rows pieces are written
+        into or patched (after :meth:`destinations` of this sync)."""
+        return self._order[index].data
+
     def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
         """The held tensors themselves, in manifest order (the direct transport reads their
         data pointers and shapes, copies from them under no_grad, and rebinds them)."""
@@ -270,8 +276,8 @@ class LoadWeightsSink:
     ) -> None:
         self._load_weights = load_weights
         self.reload_all = reload_all
-        #: Delta sessions: the wire bytes last handed over, by name (None: not kept).
-        self._base: dict[str, torch.Tensor] | None = None
+        #: Delta sessions: the wire bytes last handed over (None: not kept).
+        self._copy: WireCopy | None = None
         self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
@@ -321,26 +327,34 @@ class LoadWeightsSink:
     def keep_base(self, keep: bool) -> None:
         """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session),
         or drop it. What it held names nothing after a new setup: the next sync is dense."""
-        self._base = {} if keep else None
+        self._copy = WireCopy() if keep else None
+
+    def _wire_copy(self, what: str) -> WireCopy:
+        if self._copy is None:
+            raise WeightSyncError(f"{what} reached a load_weights sink that keeps no copy of the wire bytes; a bug")
+        return self._copy
 
     def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
         """A delta sync: the changed elements into this sink's copy of ``spec``'s bytes, then
         the whole tensor loaded (see the class doc)."""
-        held = None if self._base is None else self._base.get(spec.name)
-        if held is None:
-            raise WeightSyncError(
-                f"a delta for {spec.name!r} reached a load_weights sink that holds no copy of its bytes "
-                "(deltas need keep_base, which a delta session's setup turns on); a weightsync bug"
-            )
-        with torch.no_grad():
-            apply_delta(held, spec, kind, count, payload)
-        self._hand([(spec.name, held)])
+        self._hand([(spec.name, self._wire_copy(f"a delta for {spec.name!r}").patched(spec, kind, count, payload))])
 
     def delta_done(self, manifest: Manifest, kinds: Sequence[tuple[Kind, int]]) -> None:
         """After a delta sync's payloads: with ``reload_all``, load the unchanged tensors too."""
-        if self.reload_all and self._base is not None:
-            same = [s.name for s, (kind, _) in zip(manifest.specs, kinds) if kind is Kind.UNCHANGED]
-            self._hand([(name, self._base[name]) for name in same if name in self._base])
+        if self.reload_all and self._copy is not None:
+            self._hand(self._copy.unchanged(manifest, kinds))
+
+    def rows_target(self, index: int, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        """Owner sends in a delta session: where pieces of ``spec``'s tensor are written or
+        patched (this sink's copy), handed over by :meth:`hand_rows` once all arrived."""
+        return self._wire_copy(f"rows of {spec.name!r}").rows_target(spec, device)
+
+    def hand_rows(self, manifest: Manifest, indices: Sequence[int]) -> None:
+        """Load the tensors ``indices`` (every rank's pieces of them landed in the copy); with
+        ``reload_all`` every other tensor too."""
+        copy = self._wire_copy("owner sends")
+        chosen = set(indices) if not self.reload_all else range(len(manifest.specs))
+        self._hand([(s.name, copy.tensors[s.name]) for i, s in enumerate(manifest.specs) if i in chosen])
 
     def _hand(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """Load tensors of this sink's own copy: cloned for a loader that keeps them (the
@@ -349,13 +363,8 @@ class LoadWeightsSink:
             self._take([(n, t.clone()) for n, t in items] if self.keeps_references else items)
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        if self._base is not None:
-            with torch.no_grad():
-                for name, tensor in items:
-                    held = self._base.get(name)
-                    if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-                        self._base[name] = held = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                    held.copy_(tensor)
+        if self._copy is not None:
+            self._copy.keep(items)
         self._take(items)
 
     def _take(self, items: list[tuple[str, torch.Tensor]]) -> None:

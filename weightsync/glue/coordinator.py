@@ -252,6 +252,7 @@ class WeightSync:
             force=force,
             targets=targets(members),
             delta_holds=self._deltas.holds(m.name for m in members),
+            delta_token=self._deltas.token(),
         )
         if self.push:
             sent, results = self._round.push(call, self._set_up)

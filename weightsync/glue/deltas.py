@@ -9,7 +9,7 @@ a failed sync (every worker: a worker that answered may still have been left dir
 later party's failure), a worker dropped or added. ``delta_keyframe=N`` makes every Nth
 sync that completes dense for everyone (a failed sync is not counted). Call order::
 
-    holds = book.holds(members)          # for the SyncCall
+    holds, token = book.holds(members), book.token()   # for the SyncCall
     book.heard(results) | book.forget()  # after the round
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from weightsync.core.delta.header import new_token
 from weightsync.core.wire.messages import ReceiveResult
 
 
@@ -34,6 +35,10 @@ class DeltaBook:
         if self.keyframe is not None and (self._syncs + 1) % self.keyframe == 0:
             return ()
         return tuple((w, self._held[w]) for w in workers if w in self._held)
+
+    def token(self) -> int:
+        """A fresh name for this sync's bytes (0 outside delta sessions)."""
+        return new_token() if self.enabled else 0
 
     def heard(self, results: Mapping[str, ReceiveResult]) -> None:
         """A sync completed: what each of its workers now holds."""

@@ -126,13 +126,14 @@ class DeltaEncoder:
         streamed: bool,
         device: torch.device,
         holds: Collection[tuple[str, int]] = (),
+        token: int = 0,
     ) -> PreparedSync:
         """Encode this sync for the workers that hold the base's bytes (``holds``: per
         worker, the token of what it holds), or prepare it dense; the base takes the new
-        bytes either way."""
+        bytes either way, named ``token`` (0: a fresh name)."""
         base = self.base
         base.fit(manifest, device)
-        old, new = base.token, new_token()
+        old, new = base.token, token or new_token()
         base.token = None  # until every tensor of the base holds this sync's bytes
         dense_header = SyncHeader(Mode.DENSE, 0, new)
         delta_to = {worker for worker, token in holds if old is not None and token == old}

@@ -28,11 +28,24 @@ class DeltaSending:
     def __init__(self, where: str = "device") -> None:
         self.where = where
         self.encoder = DeltaEncoder()
+        #: The encoders of halves that encode this party's own tensors (owner sends), by kind.
+        self._own: dict[str, DeltaEncoder] = {}
+
+    def encoder_for(self, kind: str) -> DeltaEncoder:
+        """The encoder (and base) of a half that encodes its own tensors (``own_deltas``),
+        kept as long as this party's delta session, like the common one."""
+        return self._own.setdefault(kind, DeltaEncoder())
+
+    def place(self, device: torch.device) -> torch.device:
+        """Where a base is kept for tensors on ``device`` (``where``: "device" or "host")."""
+        return device if self.where == "device" else torch.device("cpu")
 
     @staticmethod
     def carried(manifest: Manifest, halves: Mapping[str, Any], call: SyncCall) -> bool:
         """Whether ``call`` drives a half that carries deltas, in a delta session."""
-        return manifest.agreed.delta and any(halves[kind].carries_deltas for kind in call.kinds)
+        return manifest.agreed.delta and any(
+            halves[kind].carries_deltas and not halves[kind].own_deltas for kind in call.kinds
+        )
 
     def prepare(
         self, manifest: Manifest, halves: Mapping[str, Any], sources: Any, call: SyncCall, device: torch.device
@@ -41,9 +54,11 @@ class DeltaSending:
         or dense with the base brought up to date; None when no half carries deltas."""
         if not self.carried(manifest, halves, call):
             return None
-        place = device if self.where == "device" else torch.device("cpu")
+        place = self.place(device)
         with torch.no_grad():
-            return self.encoder.prepare(manifest, sources.tensors, sources.streamed, place, call.delta_holds)
+            return self.encoder.prepare(
+                manifest, sources.tensors, sources.streamed, place, call.delta_holds, call.delta_token
+            )
 
 
 def delta_steps(

@@ -156,12 +156,20 @@ class SyncCall:
     #: commit (workers holding none are left out). A trainer party sends a delta only to
     #: workers holding its base's token (a transport only when every peer it serves does).
     delta_holds: tuple[tuple[str, int], ...] = ()
+    #: Delta sessions: the name of this sync's bytes, which every trainer rank gives its
+    #: base and every worker holds once it commits (0: each trainer party picks its own).
+    #: One name for every rank, so a worker fed by several ranks (owner sends) holds one.
+    delta_token: int = 0
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
         _require(
             isinstance(self.delta_holds, tuple) and all(isinstance(w, str) and _is_int(t) for w, t in self.delta_holds),
             f"delta_holds must be a tuple of (worker name, token) pairs, got {self.delta_holds!r}",
+        )
+        _require(
+            _is_int(self.delta_token) and self.delta_token >= 0,
+            f"delta_token must be a non-negative int, got {self.delta_token!r}",
         )
         _require(
             isinstance(self.chained, tuple) and all(isinstance(w, str) for w in self.chained),
