@@ -17,6 +17,7 @@ from weightsync.core.wire.errors import SettingsError, SetupError, WeightSyncErr
 from weightsync.core.wire.outcome import Status
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
+from weightsync.tools.bench.deltas import delta_cases
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
 from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
@@ -116,10 +117,13 @@ class Bench:
                 for i in range(args.workers)
             ]
             try:
-                self.size_cases(size, trainer, workers)
+                if not args.changed_only:
+                    self.size_cases(size, trainer, workers)
             finally:
                 for handle in [trainer, *workers]:
                     self.ray.kill(handle)
+            if args.changed:
+                delta_cases(self, size, args.changed)
             for line in ratios(self.cases, size, len(workers)):
                 self.summary.append(line)
                 print(line, flush=True)
