@@ -1,17 +1,91 @@
-"""The trainer's compare with torch ops: on a GPU, and on a CPU without numba.
+"""The trainer's compare on a GPU (and with torch ops on a CPU without numba).
 
-:func:`diff_torch` compares one tensor with its base as 64-bit words first (four bf16
-elements a word; at 3% of the elements changed about 11% of the words differ), takes apart
-only the words that differ, and writes them into the base; no pass over the whole tensor
-beyond the cast and the compare. Elements of 8 bytes or more are compared one by one.
+:class:`KernelDiff` runs :mod:`weightsync.core.delta.cuda_kernels`' one-pass compare on a
+tensor the kernels take; every tensor of a sync is launched before any count is read
+(:class:`DeviceCounts`: one copy to the host per sync). :func:`diff_torch` compares one
+tensor with its base with torch ops, as 64-bit words first (four bf16 elements a word; at
+3% of the elements changed about 11% of the words differ), takes apart only the words that
+differ, and writes them into the base. Elements of 8 bytes or more are compared one by one.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from weightsync.core.delta import cuda_kernels
 from weightsync.core.delta.encoding import Kind, best_kind, bits_of, index_dtype, layout
 from weightsync.core.wire.manifest import TensorSpec
+
+#: The GPU kernels' outputs of one sync hold the changes of at most this share of its
+#: elements (an index and the new bits each: at bf16 6 bytes, so about a fifth of the
+#: model's bytes); a tensor whose changes pass the room left goes dense.
+ARENA_SHARE = 1 / 16
+
+
+class DeviceArena:
+    """One sync's outputs of the GPU kernels: every tensor's changes back to back (the
+    kernels run one after the other on one stream, drawing on one counter), and the counter
+    as it stood after each tensor (read with one copy to the host, once)."""
+
+    def __init__(self, specs: list[TensorSpec], device: torch.device) -> None:
+        elements = sum(s.numel for s in specs)
+        self.cap = max(64, int(elements * ARENA_SHARE))
+        self.idx = torch.empty(self.cap, dtype=torch.int32, device=device)
+        self.raw = torch.empty(self.cap * 4, dtype=torch.uint8, device=device)  # values of up to 4 bytes
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.after = torch.zeros(len(specs), dtype=torch.int64, device=device)
+        self._host: list[int] | None = None
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.raw.view(dtype)[: self.cap]
+
+    def span(self, slot: int) -> tuple[int, int]:
+        """Where tensor ``slot``'s changes lie (its end past ``cap``: they did not fit)."""
+        if self._host is None:
+            # Slots the kernels did not run for stay 0: each start is the counter as the
+            # last kernel before it left it (it only grows).
+            self._host = list(itertools.accumulate(self.after.tolist(), max, initial=0))
+        return self._host[slot], self._host[slot + 1]
+
+
+class KernelDiff:
+    """One tensor's compare by the GPU kernel: launched when made, joined by :meth:`result`
+    (once every tensor of the sync was launched). The base takes the new bytes either way."""
+
+    def __init__(self, spec: TensorSpec, new: torch.Tensor, base: torch.Tensor, arena: DeviceArena, slot: int) -> None:
+        found = cuda_kernels.kernels(base.device)
+        assert found is not None
+        self.spec, self.arena, self.slot = spec, arena, slot
+        self.dtype = bits_of(base).dtype
+        found.encode(new.reshape(-1), base.reshape(-1), arena.idx, arena.values(self.dtype), arena.counter)
+        arena.after[slot : slot + 1].copy_(arena.counter)
+
+    @staticmethod
+    def takes(new: torch.Tensor, base: torch.Tensor) -> bool:
+        return (
+            base.is_cuda
+            and new.dtype == base.dtype
+            and cuda_kernels.fits(new)
+            and cuda_kernels.fits(base)
+            and cuda_kernels.kernels(base.device) is not None
+        )
+
+    def result(self, give_up: float) -> tuple[Kind, int, torch.Tensor | None]:
+        """(kind, count, payload): INDICES (the kernel's order is not the indices'), DENSE or UNCHANGED."""
+        start, end = self.arena.span(self.slot)
+        count, spec = end - start, self.spec
+        if count == 0:
+            return Kind.UNCHANGED, 0, None
+        if (
+            end > self.arena.cap
+            or count > spec.numel * give_up
+            or layout(spec, Kind.INDICES, count).nbytes >= spec.nbytes
+        ):
+            return Kind.DENSE, spec.numel, None
+        values = self.arena.values(self.dtype)[start:end]
+        return Kind.INDICES, count, build_payload(spec, Kind.INDICES, self.arena.idx[start:end], values)
 
 
 def diff_torch(

@@ -26,7 +26,7 @@ import torch
 
 from weightsync.core.delta.cpu_diff import Budget, RangeDiff, Scratch
 from weightsync.core.delta.cpu_kernels import Tasks, kernels, threads
-from weightsync.core.delta.device_diff import diff_torch
+from weightsync.core.delta.device_diff import DeviceArena, KernelDiff, diff_torch
 from weightsync.core.delta.encoding import Kind
 from weightsync.core.wire.manifest import TensorSpec
 
@@ -53,6 +53,8 @@ class Differ:
         self.give_up = give_up
         self.block = block
         self._scratch = threading.local()
+        self._arena: DeviceArena | None = None
+        self._specs: list[TensorSpec] = []
 
     def diff(self, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor) -> TensorDiff:
         """One tensor: the encoding of ``source`` (any dtype and strides, cast to ``spec``'s
@@ -71,7 +73,9 @@ class Differ:
         give-up, after which every later tensor is DENSE with its base filled, or, with
         ``stop``, not read at all (the list then ends with the last tensor read)."""
         budget = budget if budget is not None else Budget(sum(s.nbytes for s in specs), float("inf"))
-        out: list[TensorDiff | RangeDiff] = []
+        out: list[TensorDiff | RangeDiff | KernelDiff] = []
+        self._arena = None
+        self._specs = list(specs)
         count = threads() if kernels() is not None else 1
         tasks = Tasks(count)
         try:
@@ -79,21 +83,27 @@ class Differ:
                 for index, spec in enumerate(specs):
                     if stop and budget.gave_up:
                         break
-                    out.append(self._one(spec, sources[index], bases[index], budget, tasks))
+                    out.append(self._one(index, spec, sources[index], bases[index], budget, tasks))
                     tasks.help(keep=2 * count)  # a short queue: few tensors held at once
         finally:
             tasks.finish()
-        return [self._joined(d) for d in out]
+        return [self._joined(d, budget) for d in out]
 
     def _one(
-        self, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor, budget: Budget, tasks: Tasks
-    ) -> TensorDiff | RangeDiff:
+        self, index: int, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor, budget: Budget, tasks: Tasks
+    ) -> TensorDiff | RangeDiff | KernelDiff:
         source = source.detach()
         if spec.numel == 0:
             return TensorDiff(Kind.UNCHANGED, 0)
         if budget.gave_up:
             base.copy_(source.reshape(base.shape))
             return TensorDiff(Kind.DENSE, spec.numel)
+        if base.is_cuda:
+            new = source.to(device=base.device, dtype=spec.torch_dtype)
+            if KernelDiff.takes(new, base):
+                if self._arena is None:
+                    self._arena = DeviceArena(self._specs, base.device)
+                return KernelDiff(spec, new, base, self._arena, index)
         job = RangeDiff.of(spec, source, base, self.block, self.give_up, budget)
         if job is None:
             kind, count, payload = diff_torch(spec, source.reshape(-1), base.reshape(-1), self.give_up, self.block)
@@ -110,8 +120,14 @@ class Differ:
             scratch = self._scratch.blocks = Scratch()
         job.task(r, scratch)
 
-    @staticmethod
-    def _joined(item: TensorDiff | RangeDiff) -> TensorDiff:
+    def _joined(self, item: TensorDiff | RangeDiff | KernelDiff, budget: Budget) -> TensorDiff:
         if isinstance(item, TensorDiff):
             return item
-        return TensorDiff(*item.result())
+        got = TensorDiff(*(item.result(self.give_up) if isinstance(item, KernelDiff) else item.result()))
+        if isinstance(item, KernelDiff):  # counted once known: the kernels give no early give-up
+            spec = item.spec
+            budget.add(
+                spec.nbytes,
+                spec.nbytes if got.kind is Kind.DENSE else got.payload.numel() if got.payload is not None else 0,
+            )
+        return got

@@ -8,7 +8,8 @@ and layout:
 * ``UNCHANGED``: no element's bit pattern changed; nothing travels.
 * ``DENSE``: the tensor's wire bytes, as a dense sync sends them.
 * ``INDICES``: the ``count`` changed elements' flat indices (int32, or int64 for a tensor
-  of 2**31 elements or more), ascending, then their new values.
+  of 2**31 elements or more), each once, in any order (ascending from a CPU; in the GPU
+  kernel's order from a GPU), then their new values in the same order.
 * ``BITMASK``: one bit per element (element ``i`` is bit ``i % 8`` of byte ``i // 8``),
   set where it changed, then the ``count`` new values in index order.
 

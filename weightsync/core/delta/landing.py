@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from weightsync.core.delta.apply import check_scatters, forget_scatters
 from weightsync.core.delta.encoding import Kind
 from weightsync.core.delta.header import Mode, PayloadPlan, SyncHeader, header_nbytes, plan_payload
 from weightsync.core.wire.errors import WeightSyncError
@@ -41,6 +42,7 @@ class DeltaLanding:
         self.plan = plan
         self.keeps_references = bool(sink.keeps_references)
         self._index = {manifest.specs[i].name: i for i in plan.origin}
+        forget_scatters()
 
     def destinations(self, payloads: Manifest) -> list[torch.Tensor | None]:
         real = self.sink.destinations(self.manifest)
@@ -62,6 +64,7 @@ class DeltaLanding:
             self.sink.consume(dense)
 
     def finish(self) -> None:
+        check_scatters()
         done = getattr(self.sink, "delta_done", None)
         if callable(done):
             done(self.manifest, self.plan.kinds)
