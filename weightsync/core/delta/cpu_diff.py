@@ -107,7 +107,9 @@ class RangeDiff:
         wire = spec.torch_dtype
         if kernels() is None or base.device.type != "cpu" or wire.itemsize not in _UNSIGNED:
             return None
-        fused = source.dtype == torch.float32 and wire == torch.bfloat16
+        # The loop casts fp32 as torch's vectorized cast does (NaN: 0xFFFF), which is what
+        # torch does over a contiguous source; a strided one goes through torch's own cast.
+        fused = source.dtype == torch.float32 and wire == torch.bfloat16 and source.is_contiguous()
         if not fused and source.dtype != wire:
             source = source.to(device=base.device, dtype=wire)  # any other cast: torch's, then compared
         return cls(spec, bits_np(_usable(source)), bits_np(base), fused, span, give_up, budget)
