@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import weightsync.core.delta.apply as apply_module
+import weightsync.core.delta.cpu_diff as cpu_diff_module
 import weightsync.core.delta.diff as diff_module
 from tests.helpers import MixedModel, assert_bit_equal
 from weightsync.core.delta.apply import apply_delta
@@ -31,6 +32,7 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     """Both ways of encoding and applying: numba's loops (where it imports) and torch ops."""
     if request.param == "torch":
         monkeypatch.setattr(diff_module, "kernels", lambda: None)
+        monkeypatch.setattr(cpu_diff_module, "kernels", lambda: None)
         monkeypatch.setattr(apply_module, "kernels", lambda: None)
     elif diff_module.kernels() is None:
         pytest.skip("numba is not installed")

@@ -153,14 +153,20 @@ class Kernels:
         }
         props = torch.cuda.get_device_properties(device)
         self.blocks = props.multi_processor_count * 8
+        self._streams: dict[int, Any] = {}  # torch stream pointer -> CuPy's view of it
 
-    def _stream(self) -> Any:
+    def _launch(self, kernel: Any, grid: tuple[int], args: tuple[Any, ...]) -> None:
+        """``kernel`` on torch's current stream of this device (CuPy's view of it made once)."""
         import cupy
 
         pointer = int(torch.cuda.current_stream(self.device).cuda_stream)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return cupy.cuda.ExternalStream(pointer, self.device.index)
+        stream = self._streams.get(pointer)
+        if stream is None:
+            with warnings.catch_warnings():  # ExternalStream: in every CuPy this project takes
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self._streams[pointer] = cupy.cuda.ExternalStream(pointer, self.device.index)
+        with cupy.cuda.Device(self.device.index), stream:
+            kernel(grid, (THREADS,), args)
 
     def encode(
         self, new: torch.Tensor, base: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, counter: torch.Tensor
@@ -178,7 +184,7 @@ class Kernels:
             cupy.uint64(new.data_ptr()), cupy.uint64(base.data_ptr()), cupy.int64(nwords), cupy.uint64(idx.data_ptr()),
             cupy.uint64(val.data_ptr()), cupy.int64(idx.numel()), cupy.uint64(counter.data_ptr()),
         )  # fmt: skip
-        self.encode_fn[itemsize](grid, (THREADS,), args, stream=self._stream())
+        self._launch(self.encode_fn[itemsize], grid, args)
 
     def scatter(self, idx: torch.Tensor, val: torch.Tensor, dest: torch.Tensor, bad: torch.Tensor) -> None:
         """Launch ``dest[idx[j]] = val[j]`` (flat ``dest``), indices outside it counted into ``bad``."""
@@ -192,7 +198,7 @@ class Kernels:
             cupy.uint64(idx.data_ptr()), cupy.uint64(val.data_ptr()), cupy.int64(count), cupy.uint64(dest.data_ptr()),
             cupy.int64(dest.numel()), cupy.uint64(bad.data_ptr()),
         )  # fmt: skip
-        self.scatter_fn[dest.element_size()](grid, (THREADS,), args, stream=self._stream())
+        self._launch(self.scatter_fn[dest.element_size()], grid, args)
 
 
 @functools.cache

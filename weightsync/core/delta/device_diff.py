@@ -33,7 +33,8 @@ class DeviceArena:
         elements = sum(s.numel for s in specs)
         self.cap = max(64, int(elements * ARENA_SHARE))
         self.idx = torch.empty(self.cap, dtype=torch.int32, device=device)
-        self.raw = torch.empty(self.cap * 4, dtype=torch.uint8, device=device)  # values of up to 4 bytes
+        widest = max((s.torch_dtype.itemsize for s in specs if s.torch_dtype.itemsize in (2, 4)), default=2)
+        self.raw = torch.empty(self.cap * widest, dtype=torch.uint8, device=device)  # values of 2 or 4 bytes
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.after = torch.zeros(len(specs), dtype=torch.int64, device=device)
         self._host: list[int] | None = None

@@ -42,30 +42,33 @@ class Change:
     lr: float | None = None
 
 
-def changed_list(value: str) -> list[Change]:
-    """``--changed``: comma-separated ``N%`` (0 < N <= 100) or ``adamw:LR`` (LR > 0)."""
-    out = []
-    for part in (p.strip() for p in value.split(",") if p.strip()):
+def change_of(part: str) -> Change:
+    """The :class:`Change` one ``--changed`` item names; ValueError when it names none."""
+    if part.endswith("%"):
+        fraction = float(part[:-1]) / 100
+        if 0 < fraction <= 1:
+            return Change(part, fraction=fraction)
+    elif part.startswith("adamw:"):
+        lr = float(part.removeprefix("adamw:"))
+        if lr > 0:
+            return Change(f"adamw lr {lr:g}", lr=lr)
+    raise ValueError(part)
+
+
+def changed_list(value: str) -> list[str]:
+    """``--changed``: comma-separated ``N%`` (0 < N <= 100) or ``adamw:LR`` (LR > 0), checked
+    here and kept as given (the run's JSON records them as such)."""
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    for part in parts:
         try:
-            if part.endswith("%"):
-                fraction = float(part[:-1]) / 100
-                if not 0 < fraction <= 1:
-                    raise ValueError
-                out.append(Change(part, fraction=fraction))
-            elif part.startswith("adamw:"):
-                lr = float(part.removeprefix("adamw:"))
-                if not lr > 0:
-                    raise ValueError
-                out.append(Change(f"adamw lr {lr:g}", lr=lr))
-            else:
-                raise ValueError
+            change_of(part)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{part!r} is not a change: give N% (0 < N <= 100) or adamw:LR (LR > 0), e.g. 1%,10%,100%,adamw:1e-6"
             ) from None
-    if not out:
+    if not parts:
         raise argparse.ArgumentTypeError("expected at least one change, e.g. 1%,10%,100%")
-    return out
+    return parts
 
 
 def perturb(model: nn.Module, fraction: float, seed: int) -> None:
@@ -88,8 +91,9 @@ def apply_change(model: nn.Module, change: Change, seed: int) -> None:
         perturb(model, change.fraction, seed)
 
 
-def delta_cases(bench: Bench, size: str, changes: list[Change]) -> None:
+def delta_cases(bench: Bench, size: str, changed: list[str]) -> None:
     """The dense and delta rows of one size (see the module doc), on actors of their own."""
+    changes = [change_of(part) for part in changed]
     from weightsync.glue.actors import TrainerActor, WorkerActor
     from weightsync.glue.coordinator import WeightSync
 
