@@ -88,9 +88,8 @@ class WeightReceiver:
         #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
         #: when each rank receives on its own); set by the endpoint that makes it.
         self.part = (0, 1)
-        #: Delta sessions: the token of the bytes this worker holds, committed (None: none a
-        #: delta may be applied to), and what this sync's header said (its new token, and
-        #: whether it was a delta) until the sync commits.
+        #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
+        #: to), and this sync's header's (new token, whether a delta) until it commits.
         self.held_token: int | None = None
         self._header: tuple[int | None, bool | None] = (None, None)
 
@@ -118,9 +117,8 @@ class WeightReceiver:
         self.sink = sink
         self._session = session
         self.casts = casts
-        keep = getattr(self.sink, "keep_base", None)
-        if callable(keep):  # a sink that rebuilds whole tensors keeps the wire bytes to apply deltas to
-            keep(manifest.agreed.delta)
+        if callable(keep := getattr(self.sink, "keep_base", None)):  # a sink that rebuilds whole tensors
+            keep(manifest.agreed.delta)  # keeps the wire bytes to apply deltas to
         return casts
 
     @property
@@ -256,15 +254,8 @@ class WeightReceiver:
                 raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
             self._check_held(got.held, diverging(mine, reference), reference or mine[0])
         self._commit(call.version)
-        return ReceiveResult(
-            worker=self.name,
-            version=self.version,
-            state=self.state.value,
-            checksums=[],
-            seconds=got.seconds,
-            delta=got.delta,
-            token=self.held_token or 0,
-        )
+        token = self.held_token or 0
+        return replace(got, version=self.version, state=self.state.value, checksums=[], held=None, token=token)
 
     def _check_held(self, held: list[int] | None, sent: Outcome, reference: Outcome) -> None:
         """Refuse the commit (dirty) unless every tensor the sink holds matches ``reference``."""

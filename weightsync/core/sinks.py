@@ -325,9 +325,9 @@ class LoadWeightsSink:
         return [None] * len(manifest.specs)
 
     def keep_base(self, keep: bool) -> None:
-        """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session),
-        or drop it. What it held names nothing after a new setup: the next sync is dense."""
-        self._copy = WireCopy() if keep else None
+        """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session; one
+        already kept stays, with what the worker holds), or drop it."""
+        self._copy = (self._copy or WireCopy()) if keep else None
 
     def _wire_copy(self, what: str) -> WireCopy:
         if self._copy is None:

@@ -39,6 +39,7 @@ def build_report(
                 held_off_s=r.held_off_s,
                 casts=count_casts(m.casts),
                 encoding="" if r.delta is None else ("delta" if r.delta else "dense"),
+                sent_bytes=sent.sent_bytes.get(m.transport, manifest.total_bytes),
             )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]

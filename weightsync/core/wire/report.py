@@ -26,6 +26,9 @@ class WorkerReport:
     #: How this worker's bytes came: "delta", "dense", or "" (a session without deltas,
     #: or a transport that carries none).
     encoding: str = ""
+    #: Bytes that crossed to this worker: what its transport moved (every trainer rank's
+    #: part with owner sends; a delta's header and payloads in a delta session).
+    sent_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +54,10 @@ class SyncReport:
     #: ``seconds`` is Ray hand-offs and bookkeeping.
     send_seconds: float = 0.0
     inplace: int = 0
-    #: Bytes of tensor data that crossed to each worker in this sync (every worker got the
-    #: same); with ``lora=True`` only the adapter's, the base model's never.
+    #: Bytes of tensor data that crossed to each worker in this sync: ``bytes`` for a dense
+    #: sync; with ``lora=True`` only the adapter's, the base model's never; in a delta
+    #: session the header and what each transport moved, the most any worker got (each
+    #: worker's own: ``workers[i].sent_bytes``).
     sent_bytes: int = 0
     #: The adapter this sync sent, as ``AdapterConfig.summary()`` says it ("LoRA r=8 ..."),
     #: or "" for a sync of the whole model.

@@ -130,8 +130,8 @@ class SyncSettings:
     carries, per tensor, either its dense bytes or its changed elements (indices or a
     bitmask, plus their new bit patterns), whichever is smaller; every other sync, and every
     sync to a worker that does not hold those bytes (new, dirty, failed, rejoined), is
-    dense. Over broadcast and ipc; direct and owner-writes stay dense (see
-    docs/transports.md). The trainer keeps a copy of the wire bytes (``delta_base``)."""
+    dense. Over broadcast, ipc and owners; direct, owner-writes and rank-ipc stay dense
+    (see docs/transports.md). The trainer keeps a copy of the wire bytes (``delta_base``)."""
 
     delta_keyframe: int | None = None
     """With ``delta``: every this many syncs, one dense sync to every worker (None: only

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,8 +29,23 @@ import weightsync.tools.bench.probes as probes
 from weightsync.tools.bench.report import Case, show
 from weightsync.tools.models import PolicyFactory, train_step
 
-if TYPE_CHECKING:
-    from weightsync.tools.bench.driver import Bench
+
+class Bench(Protocol):
+    """What these cases need of :class:`weightsync.tools.bench.driver.Bench`."""
+
+    args: Any
+    timeout: float
+    cases: list[Case]
+    summary: list[str]
+
+    @property
+    def ray(self) -> Any: ...
+
+    def get(self, ref: Any) -> Any: ...
+
+    def next_version(self) -> int: ...
+
+    def memory_base(self, parties: list[Any]) -> list[int]: ...
 
 
 @dataclass(frozen=True)

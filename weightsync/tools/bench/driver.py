@@ -108,23 +108,11 @@ class Bench:
             # Progress: which size of how many, and the time so far (sizes grow, so the last
             # ones take longest).
             print(f"-- size {index}/{len(args.sizes)}: {size}, {time.perf_counter() - started:.0f}s so far", flush=True)
-            factory_device = "cuda" if cuda else "cpu"
-            trainer = ChunkTrainerActor.options(**opts).remote(
-                PolicyFactory(size, 0, factory_device), device=args.device
-            )
-            workers = [
-                ChunkWorkerActor.options(**opts).remote(PolicyFactory(size, i + 1, factory_device), device=args.device)
-                for i in range(args.workers)
-            ]
-            try:
-                if not args.changed_only:
-                    self.size_cases(size, trainer, workers)
-            finally:
-                for handle in [trainer, *workers]:
-                    self.ray.kill(handle)
+            if not args.changed_only:
+                self.main_cases(size, ChunkTrainerActor, ChunkWorkerActor, opts)
             if args.changed:
                 delta_cases(self, size, args.changed)
-            for line in ratios(self.cases, size, len(workers)):
+            for line in ratios(self.cases, size, args.workers):
                 self.summary.append(line)
                 print(line, flush=True)
         if args.json:
@@ -135,6 +123,21 @@ class Bench:
             print(f"failed cases (their setup raised): {', '.join(self.failed)}", flush=True)
             return 1
         return 0
+
+    def main_cases(self, size: str, trainer_cls: Any, worker_cls: Any, opts: dict[str, Any]) -> None:
+        """Every case but the delta rows, on one trainer and its workers made for them."""
+        args = self.args
+        factory_device = "cuda" if args.device == "cuda" else "cpu"
+        trainer = trainer_cls.options(**opts).remote(PolicyFactory(size, 0, factory_device), device=args.device)
+        workers = [
+            worker_cls.options(**opts).remote(PolicyFactory(size, i + 1, factory_device), device=args.device)
+            for i in range(args.workers)
+        ]
+        try:
+            self.size_cases(size, trainer, workers)
+        finally:
+            for handle in [trainer, *workers]:
+                self.ray.kill(handle)
 
     def size_cases(self, size: str, trainer: Any, workers: list[Any]) -> None:
         from weightsync.glue.coordinator import WeightSync
