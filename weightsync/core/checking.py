@@ -96,3 +96,14 @@ def check_destination(
         "writes elsewhere, or tensors without storage); version not taken",
         blames=[worker],
     )
+
+
+def diverging(sent: tuple[Outcome, ...], reference: Outcome | None) -> Outcome:
+    """Of the senders serving a worker, the one to blame for bytes that differ from
+    ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
+    another replica), else the first."""
+    if reference is not None:
+        for o in sent:
+            if o.value.tensor_checksums != reference.value.tensor_checksums:
+                return o
+    return sent[0]

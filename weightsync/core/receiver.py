@@ -27,7 +27,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from weightsync.core.checking import check_destination
+from weightsync.core.checking import check_destination, diverging
+from weightsync.core.delta.landing import DeltaReceiving, landing_for
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
 from weightsync.core.plugin import Listening
@@ -87,6 +88,10 @@ class WeightReceiver:
         #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
         #: when each rank receives on its own); set by the endpoint that makes it.
         self.part = (0, 1)
+        #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
+        #: to), and this sync's header's (new token, whether a delta) until it commits.
+        self.held_token: int | None = None
+        self._header: tuple[int | None, bool | None] = (None, None)
 
     def accept(
         self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -112,6 +117,8 @@ class WeightReceiver:
         self.sink = sink
         self._session = session
         self.casts = casts
+        if callable(keep := getattr(self.sink, "keep_base", None)):  # a sink that rebuilds whole tensors
+            keep(manifest.agreed.delta)  # keeps the wire bytes to apply deltas to
         return casts
 
     @property
@@ -151,6 +158,7 @@ class WeightReceiver:
         checksums: list[int] = []
         stale: tuple[str, ...] = ()
         held: list[int] | None = None
+        self._header = (None, None)
         try:
             half.start(call)
             self._check_version(call)
@@ -159,7 +167,11 @@ class WeightReceiver:
                     f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
                     "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
                 )
-            checksums, stale = half.receive(self.sink, call, self._begin)
+            committed = self.state is WorkerState.COMMITTED
+            landing = landing_for(self.sink, self._manifest(), half, self.held_token if committed else None, self.name)
+            checksums, stale = half.receive(landing, call, self._begin)
+            if isinstance(landing, DeltaReceiving) and landing.header is not None:
+                self._header = (landing.header.new_token, landing.took_delta)
             if call.verify and not stale:
                 held = self.sink.checksums(self._manifest())
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
@@ -184,6 +196,8 @@ class WeightReceiver:
             stale=stale,
             transport=half.kind,
             held=held,
+            delta=self._header[1],
+            token=self.held_token or 0,
         )
 
     def receive_pushed(self, call: SyncCall) -> ReceiveResult:
@@ -238,11 +252,10 @@ class WeightReceiver:
                     ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
                 )
                 raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
-            self._check_held(got.held, _diverging(mine, reference), reference or mine[0])
+            self._check_held(got.held, diverging(mine, reference), reference or mine[0])
         self._commit(call.version)
-        return ReceiveResult(
-            worker=self.name, version=self.version, state=self.state.value, checksums=[], seconds=got.seconds
-        )
+        token = self.held_token or 0
+        return replace(got, version=self.version, state=self.state.value, checksums=[], held=None, token=token)
 
     def _check_held(self, held: list[int] | None, sent: Outcome, reference: Outcome) -> None:
         """Refuse the commit (dirty) unless every tensor the sink holds matches ``reference``."""
@@ -291,6 +304,7 @@ class WeightReceiver:
                 raise
         self.version = version
         self.state = WorkerState.COMMITTED
+        self.held_token = self._header[0]
 
     def _discard(self) -> None:
         if self._stages():
@@ -299,7 +313,8 @@ class WeightReceiver:
     def _fail(self) -> None:
         """A sync is refused: the worker is dirty if bytes reached its tensors; a staging
         sink's model was never touched, so it goes back to what it was before the sync
-        (its version, committed)."""
+        (its version, committed). Either way it takes no delta until a dense sync."""
+        self.held_token = None
         self._discard()
         if self._stages() and not self._touched:
             if self.state is WorkerState.RECEIVING:
@@ -379,14 +394,3 @@ class WeightReceiver:
         made, released = half.mappings()
         self._closed_imports[0] += made
         self._closed_imports[1] += released
-
-
-def _diverging(sent: tuple[Outcome, ...], reference: Outcome | None) -> Outcome:
-    """Of the senders serving a worker, the one to blame for bytes that differ from
-    ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
-    another replica), else the first."""
-    if reference is not None:
-        for o in sent:
-            if o.value.tensor_checksums != reference.value.tensor_checksums:
-                return o
-    return sent[0]
