@@ -6,10 +6,17 @@
 * :class:`LoadWeightsSink` hands ``(name, tensor)`` lists to a ``load_weights`` callable,
   the convention of inference engines (vLLM's ``model.load_weights``), which rename, fuse
   and shard as they load.
+
+Either can stage (``ModuleSink(stage=...)``, ``LoadWeightsSink(staged=True)``): a sync is
+received into a stage (:mod:`weightsync.core.stage`) and swapped in at its commit with one
+copy (``land``), so the model keeps its version until then and a failed sync never reaches
+it. A staging sink has ``staged`` True and ``seal()`` / ``land()`` / ``discard()``, which
+the receiver calls.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -18,6 +25,7 @@ from torch import nn
 
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
+from weightsync.core.stage import Staging, copy_in
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -130,10 +138,28 @@ def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
         )
 
 
+def _one_device(held: Sequence[torch.Tensor]) -> torch.device:
+    """The one device a module's tensors are on (its stage goes there)."""
+    devices = sorted({str(t.device) for t in held})
+    if len(devices) > 1:
+        raise WeightSyncError(
+            f"a staging ModuleSink needs the module on one device, found tensors on {', '.join(devices)}; "
+            "move the module to one device or stage without it"
+        )
+    return held[0].device if held else torch.device("cpu")
+
+
 class ModuleSink:
     """Copies received tensors into ``module``'s parameters and buffers by name.
 
     ``verify`` checks the parameters and buffers themselves, read back after the sync.
+
+    ``stage`` ("auto", "device" or "host"; None: off): receive each sync into a stage and
+    copy it into the module's tensors only at the commit (:meth:`land`, one copy), so code
+    reading the module under the receiver's gate (``WorkerMixin.weightsync_reading()``)
+    keeps reading the last version while the next one arrives, and waits only for that
+    copy. ``keep_stage`` keeps the stage allocated between syncs. A staging sink takes no
+    ``direct`` writes (they would write the module itself).
     """
 
     keeps_references = False
@@ -142,8 +168,13 @@ class ModuleSink:
     #: there from the trainer): a dtype difference cannot be cast.
     casts_on_load = False
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, stage: str | None = None, keep_stage: bool = False) -> None:
         self.module = module
+        # A module's checksums are read from it (or its pending stage) when asked: none kept.
+        self.staging = Staging(stage, keep_stage, record=False) if stage is not None else None
+        self.staged = self.staging is not None
+        #: The trainer may write the module itself (``direct``) only when it does not stage.
+        self.allows_direct = not self.staged
         self._by_name: dict[str, torch.Tensor] = {}
         self._order: list[torch.Tensor] = []
         self._paths: TensorPaths | None = None  # how _order was reached, for direct syncs
@@ -183,6 +214,8 @@ class ModuleSink:
             self._held_paths, self._held_for = TensorPaths(self.module, manifest.names), manifest
         self._order = [self._by_name[spec.name] for spec in manifest.specs]
         _check_held(manifest, self._order)
+        if self.staging is not None:
+            return list(self.staging.open(manifest, _one_device(self._order)))
         return [t.data if t.is_contiguous() else None for t in self._order]
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -190,9 +223,30 @@ class ModuleSink:
             for name, tensor in items:
                 self._by_name[name].copy_(tensor)
 
-    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
+    def seal(self) -> None:
+        assert self.staging is not None, "seal() is a staging sink's"
+        self.staging.seal()
+
+    def land(self) -> None:
+        """Copy the staged sync into the module's tensors (the swap), then release the stage.
+        Refuses, before copying anything, a module whose tensors were replaced meanwhile."""
+        assert self.staging is not None, "land() is a staging sink's"
+        paths = self._held_paths
+        if paths is None or not paths.unchanged():
+            raise ModelChangedError("the module's tensors were replaced while a staged sync arrived; run setup() again")
+        self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()])
+        self.staging.release()
+
+    def discard(self) -> None:
+        if self.staging is not None:
+            self.staging.release()
+
+    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor] | None:
         """The held tensors themselves, in manifest order (the direct transport reads their
-        data pointers and shapes, copies from them under no_grad, and rebinds them)."""
+        data pointers and shapes, copies from them under no_grad, and rebinds them); None
+        for a staging sink."""
+        if self.staging is not None:
+            return None
         if self._paths is None or not self._paths.unchanged():
             held = self.held()
             self._order = [held[spec.name] for spec in manifest.specs]
@@ -203,6 +257,10 @@ class ModuleSink:
         self._order[index].data = tensor
 
     def checksums(self, manifest: Manifest) -> list[int]:
+        """What the module holds, or with a staged sync waiting for its swap, what it will hold."""
+        staged = self.staging.checksums() if self.staging is not None else None
+        if staged is not None:
+            return staged
         held = self.held()
         missing = [spec.name for spec in manifest.specs if spec.name not in held]
         if missing:
@@ -231,15 +289,18 @@ class LoadWeightsSink:
     and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
     are of the bytes handed over, in the wire's dtype.
 
-    ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
-    commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
-    rank dying or a transfer timing out, never reaches the model: the worker keeps serving
-    its last version, committed. It costs a second copy of the model's bytes on the
-    worker's device while a sync is in flight; without it a failed sync leaves a loaded
-    model part old, part new (dirty) until the next sync.
+    ``staged``: receive every tensor of a sync into a stage (:mod:`weightsync.core.stage`:
+    one allocation on ``device`` or in host memory, by ``stage``) and load them only once
+    the sync commits (:meth:`land`, called by the receiver), so a sync that fails midway, a
+    trainer rank dying or a transfer timing out, never reaches the model: the worker keeps
+    serving its last version, committed. It costs a second copy of the model's bytes while
+    a sync is in flight (kept between syncs only with ``keep_stage``); without it a failed
+    sync leaves a loaded model part old, part new (dirty) until the next sync.
     """
 
     casts_on_load = True
+    #: The trainer never writes a transforming sink's model itself.
+    allows_direct = False
 
     def __init__(
         self,
@@ -248,43 +309,57 @@ class LoadWeightsSink:
         expected_specs: Sequence[TensorSpec] | None = None,
         record_checksums: bool = True,
         staged: bool = False,
+        stage: str = "auto",
+        keep_stage: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         self._load_weights = load_weights
         self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
         self._received: dict[str, torch.Tensor] = {}
-        self._staged: list[tuple[str, torch.Tensor]] = []
-        #: Checksums of the staged tensors: what the sink will hold once they land.
-        self._staged_sums: dict[str, torch.Tensor] = {}
+        self.device = torch.device(device)
+        self.staging = Staging(stage, keep_stage, record_checksums)
         self.staged = False
         self.set_staged(staged)
 
-    def set_staged(self, staged: bool) -> None:
-        """Stage whole syncs (see the class doc) from the next sync on; refused while a
-        sync's tensors wait to land (between a receive and its commit)."""
+    def set_staged(self, staged: bool, stage: str | None = None, keep_stage: bool | None = None) -> None:
+        """Stage whole syncs (see the class doc) from the next sync on, optionally moving the
+        stage (``stage``) or keeping it between syncs (``keep_stage``); refused while a
+        sync's tensors wait for their commit."""
         if not isinstance(staged, bool):
             raise TypeError(f"staged must be True or False, got {staged!r}")
-        if self._staged:
+        if self.staging.pending:
             raise WeightSyncError(
-                f"staged={staged}: {len(self._staged)} tensor(s) of a sync wait for its commit; change staging "
-                "between syncs, not during one"
+                f"staged={staged}: a sync's tensors wait in the stage for its commit; change staging between "
+                "syncs, not during one"
             )
+        staging = Staging(
+            stage if stage is not None else self.staging.place,
+            keep_stage if keep_stage is not None else self.staging.keep,
+            self._record,
+        )
+        self.staging.drop()
+        self.staging = staging
         self.staged = staged
-        self.keeps_references = not self._copies or staged
+        self.keeps_references = not self._copies
+
+    def seal(self) -> None:
+        self.staging.seal()
 
     def land(self) -> None:
         """Load what a staged sync kept (the receiver calls it as the sync commits)."""
-        items, self._staged = self._staged, []
-        sums, self._staged_sums = self._staged_sums, {}
-        if items:
-            with torch.no_grad():
-                self._load_weights(iter(items))
-        self._received.update(sums)
+        names = [name for name, _ in self.staging.items()]
+        start = time.perf_counter()
+        with torch.no_grad():
+            self._load_weights(iter(self.staging.items()))
+        self.staging.swap_s = time.perf_counter() - start
+        self._received.update(zip(names, self.staging.sums()))
+        self.staging.release()
 
     def discard(self) -> None:
         """Drop what a staged sync kept: it failed, the model was never touched."""
-        self._staged, self._staged_sums = [], {}
+        self.staging.release()
 
     @property
     def records_checksums(self) -> bool:
@@ -294,23 +369,26 @@ class LoadWeightsSink:
         return self._expected
 
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
+        if self.staged:
+            return list(self.staging.open(manifest, self.device))
         return [None] * len(manifest.specs)
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        if self.staged:  # every tensor has a destination in the stage
+            raise WeightSyncError(f"a staging LoadWeightsSink was handed {len(items)} tensor(s) outside its stage")
         with torch.no_grad():
             if self._record:
-                sums = self._staged_sums if self.staged else self._received
                 for name, tensor in items:
-                    sums[name] = word_sum(tensor)
-            if self.staged:
-                self._staged.extend(items)
-            else:
-                self._load_weights(iter(items))
+                    self._received[name] = word_sum(tensor)
+            self._load_weights(iter(items))
 
     def checksums(self, manifest: Manifest) -> list[int] | None:
         """What the sink holds, or with a staged sync waiting for its commit, what it will
         hold once that lands (what a verified commit checks first)."""
-        sums = {**self._received, **self._staged_sums}
+        staged = self.staging.checksums()
+        if staged is not None:
+            return staged
+        sums = self._received
         if not self._record or any(spec.name not in sums for spec in manifest.specs):
             return None
         return read_checksums([sums[spec.name] for spec in manifest.specs])
