@@ -52,16 +52,18 @@ from typing import Any
 import ray
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.stage import check_place
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
-from weightsync.vllm.parts import PartRouting, State, answer
+from weightsync.vllm.parts import PartRouting, State, answer, combine_states
 from weightsync.vllm.plugin import BACKEND
 from weightsync.vllm.served import SYNCED, AdapterInfo, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
+from weightsync.vllm.staging import STAGED_CALLS, Stager
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
 
@@ -82,6 +84,8 @@ class _VLLMWorker:
         check_model: bool = True,
         env: dict[str, str] | None = None,
         stage_updates: bool = False,
+        stage: str = "auto",
+        keep_stage: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         if timeout_s <= 0:
@@ -115,6 +119,8 @@ class _VLLMWorker:
         self._version: int | None = None
         self._rank_pids: list[int] = []
         self._staged = stage_updates
+        self._stager = Stager(name, self.timeout_s, check_place(stage), keep_stage)
+        self._swap_wanted = False  # a staged sync waits for the running generate to end
         self._routing = PartRouting(1)
         self._served = ServedAdapter(name)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
@@ -123,21 +129,28 @@ class _VLLMWorker:
                 self.llm = LLM(**llm_kwargs)
             except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
                 raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
-            if expected_specs is None and check_model:
-                expected_specs = engine_specs(name, self.llm.llm_engine.vllm_config)
-            specs = tuple(expected_specs) if expected_specs is not None else None
-            self._replies(
-                self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
-            )
-            if self._has_backend:
-                rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
-                init_info = {"name": name, "expected_specs": rows}
-                self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
-            self._rank_pids = [r.pid for r in self.ranks()]
-            self._routing = PartRouting(1 if native else len(self._rank_pids))
+            self._set_up(expected_specs, check_model)
         except BaseException:
             self._stop()  # else the engine's processes and socket folder outlive the failed actor
             raise
+
+    def _set_up(self, expected_specs: Sequence[TensorSpec] | None, check_model: bool) -> None:
+        """Every rank's endpoint (and, staging, its line and staging group), then the native
+        backend's, then which ranks there are."""
+        config = self.llm.llm_engine.vllm_config
+        if expected_specs is None and check_model:
+            expected_specs = engine_specs(self.name, config)
+        specs = tuple(expected_specs) if expected_specs is not None else None
+        info = SetupInfo(self.name, specs, self._stager.setup(self._staged))
+        self._stager.expect(config.parallel_config.world_size)
+        self._replies(self._rpc("weightsync_setup", args=(encode_setup(info),)), "setup")
+        self._stager.connected()
+        if self._has_backend:
+            rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
+            init_info = {"name": self.name, "expected_specs": rows}
+            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
+        self._rank_pids = [r.pid for r in self.ranks()]
+        self._routing = PartRouting(1 if self.native else len(self._rank_pids))
 
     def use_native(self, native: bool) -> None:
         """Send the coordinator's calls through the native backend (True) or the worker
@@ -214,6 +227,8 @@ class _VLLMWorker:
 
     # the coordinator's protocol ---------------------------------------------------------------
     def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._staged and not self.native and method in STAGED_CALLS:
+            return self._forward_staged(method, args, kwargs)
         with self._lock:
             every = self._routing.every_rank(method, args)
             payload = encode_call(Call(method, args, kwargs, every_rank=every))
@@ -236,12 +251,40 @@ class _VLLMWorker:
                 value = with_held_off(value, self._release(state[1] if state is not None else "unknown", method))
             return value
 
-    def _release(self, state: str, method: str) -> float:
+    def _forward_staged(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A staged engine's receive or commit (``staging.py``): the transfer runs on the ranks'
+        staging threads while ``generate`` calls go on; generation is held off for the swap."""
+        with self._lock:
+            every = self._routing.every_rank(method, args)
+        try:
+            staged = self._stager.transfer(method, args, kwargs, every)
+        finally:
+            self._routing.forwarded(method, every)
+        if staged.ready is None:
+            return staged.value
+        self._swap_wanted = True  # generate calls not yet running wait from here on
+        with self._lock:  # a generate call running finishes first, on the old weights
+            self._hold.start(in_flight=0)
+            self._stager.holding()
+            try:
+                replies = self._replies(self._rpc("weightsync_swap", args=(staged.ready,)), "swap")
+                state = combine_states([r.state for r in replies])
+                self._after(state)
+            except BaseException:
+                self._release("failed", method)
+                raise
+            swap_s = max(float(r.value) for r in replies)
+            held = self._release(state[1] if state is not None else "unknown", method, swap_s)
+            return self._stager.swapped(staged, replies, held)
+
+    def _release(self, state: str, method: str, swap_s: float | None = None) -> float:
         """End an open hold (under the lock), recorded as ended by ``method``, and wake the
-        waiting ``generate`` calls."""
+        waiting ``generate`` calls; ``swap_s``: a staged sync's swap."""
+        self._swap_wanted = False
         if not self._hold.open:
+            self._idle.notify_all()
             return 0.0
-        seconds = self._hold.stop(state, method)
+        seconds = self._hold.stop(state, method, swap_s, self._stager.window if swap_s is not None else (None, None))
         self._idle.notify_all()
         return seconds
 
@@ -261,7 +304,7 @@ class _VLLMWorker:
         up to ``timeout_s``). ``lora_request``: ``"synced"`` (the default) uses the adapter
         synced with ``lora=True``, if any; None the base model; a ``LoRARequest`` that one."""
         with self._lock:
-            if not self._idle.wait_for(lambda: not self._hold.open, timeout=self.timeout_s):
+            if not self._idle.wait_for(lambda: not self._hold.open and not self._swap_wanted, timeout=self.timeout_s):
                 raise EngineCallError(
                     f"{self.name}: a sync has held generation off for over timeout_s={self.timeout_s:.0f}s "
                     "(it received weights and was never committed, settled or torn down); close the WeightSync "
@@ -273,10 +316,12 @@ class _VLLMWorker:
 
             request = self._served.request(lora_request)
             try:
-                return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=request)
+                outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=request)
             except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
                 self._broken = died("generate", exc)
                 raise EngineCallError(f"{self.name}: {self._broken}") from exc
+            self._stager.count(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+            return outputs
 
     def collective_rpc(
         self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -291,13 +336,15 @@ class _VLLMWorker:
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(self._rpc("weightsync_call", args=(payload,)), label)]
 
-    def stage_updates(self, staged: bool) -> None:
-        """Keep each sync's tensors on every TP rank until the sync commits (True), so a sync
-        that fails midway never reaches the model and the engine keeps serving its version;
-        costs a second copy of the model's bytes per rank during a sync. False: load as
-        they arrive (the default). Takes effect from the next sync; extension mode only;
-        refused while a WeightSync feeds the engine part by part (``rank-ipc``), which read
-        the engine's staging at setup."""
+    def stage_updates(self, staged: bool, stage: str | None = None, keep_stage: bool | None = None) -> None:
+        """Stage each sync (True): every TP rank receives it into a stage while the engine
+        keeps generating from its version, and generation is held off only for the swap
+        between two steps; a sync that fails before its swap never reaches the model. Costs
+        a second copy of the model's bytes per rank during a sync (``stage``: "auto",
+        "device" or "host"; ``keep_stage`` keeps it between syncs). False: load as the
+        bytes arrive, generation held off for the whole sync (the default). Takes effect
+        from the next sync; extension mode only; refused while a WeightSync feeds the
+        engine part by part (``rank-ipc``), which read the engine's staging at setup."""
         with self._lock:
             if self.native:
                 raise WeightSyncError(
@@ -305,7 +352,12 @@ class _VLLMWorker:
                     "vLLM's native backend; call use_native(False) first"
                 )
             self._routing.refuse_staging_change(self.name, staged, self._staged)
-            self._replies(self._rpc("weightsync_stage", args=(staged,)), "stage_updates")
+            self._stager.stage = check_place(stage) if stage is not None else self._stager.stage
+            self._stager.keep_stage = keep_stage if keep_stage is not None else self._stager.keep_stage
+            setup = self._stager.setup(staged)
+            self._stager.expect(len(self._rank_pids))
+            self._replies(self._rpc("weightsync_stage", args=(encode_setup(setup),)), "stage_updates")
+            self._stager.connected()
             self._staged = staged
 
     def ranks(self) -> list[RankInfo]:
@@ -334,6 +386,7 @@ class _VLLMWorker:
 
     def _stop(self) -> None:
         """Stop the engine's processes, if it started, then remove its socket folder."""
+        self._stager.close()
         try:
             llm = getattr(self, "llm", None)
             engine_core = None if llm is None else getattr(llm.llm_engine, "engine_core", None)
