@@ -46,16 +46,17 @@ from typing import Any
 
 import ray
 
-from weightsync import TensorSpec, WorkerState
+from weightsync import TensorSpec
 from weightsync.core.stage import check_place
 from weightsync.glue.actors import WORKER_PROTOCOL
+from weightsync.vllm.async_hold import AsyncHolding
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
-from weightsync.vllm.parts import PartRouting, State, answer, combine_states
+from weightsync.vllm.parts import PartRouting, answer
 from weightsync.vllm.requests import Requests
 from weightsync.vllm.served import SYNCED, AsyncAdapterReport, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
@@ -91,7 +92,7 @@ def _check_mode(mode: str) -> str:
 
 
 @forward_worker_protocol_async
-class _AsyncVLLMWorker(AsyncAdapterReport):
+class _AsyncVLLMWorker(AsyncHolding, AsyncAdapterReport):
     def __init__(
         self,
         *,
@@ -258,63 +259,6 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
             if self._hold.ends(method, state):
                 value = with_held_off(value, await self._resume(state[1] if state else "unknown", method))
             return value
-
-    async def _forward_staged(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A staged engine's receive or commit (``staging.py``; the caller holds the lock): the
-        transfer runs on the ranks' staging threads while requests stream on; generation is
-        paused (``pause_mode``) for the swap alone."""
-        llm = await self._started()
-        every = self._routing.every_rank(method, args)
-        try:
-            staged = await asyncio.to_thread(self._stager.transfer, method, args, kwargs, every)
-        finally:
-            self._routing.forwarded(method, every)
-        if staged.ready is None:
-            return staged.value
-        try:
-            self._hold.start(in_flight=llm.get_num_unfinished_requests())
-            self._stager.holding()
-            await self._pause()
-            replies = self._replies(await self._rpc("weightsync_swap", (staged.ready,)), "swap")
-            state = combine_states([r.state for r in replies])
-            await self._after(state)
-        except BaseException:
-            try:
-                await self._resume("failed", method)
-            except Exception as resume_exc:  # noqa: BLE001 - logged; the call's own error is raised
-                log.warning("weightsync: %s: resuming generation after a failed swap: %s", self.name, resume_exc)
-            raise
-        swap_s = max(float(r.value) for r in replies)
-        held = await self._resume(state[1] if state is not None else "unknown", method, swap_s)
-        return self._stager.swapped(staged, replies, held)
-
-    async def _pause(self) -> None:
-        pause = self._llm.pause_generation(mode=self._hold.mode, clear_cache=True)
-        slow = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
-        await self._bounded(f"pause_generation(mode={self._hold.mode!r})", pause, slow)
-        self._hold.paused()
-
-    async def _after(self, reply_state: State | None) -> None:
-        """A newly committed version goes to vLLM before generation resumes (every call
-        reports the receiver's state: only a commit that changed the version counts)."""
-        if reply_state is None:
-            return
-        version, state = reply_state
-        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
-            await self._bounded("update_weight_version", self._llm.update_weight_version(str(version)))
-            self._version = version
-
-    async def _resume(self, state: str, method: str, swap_s: float | None = None) -> float:
-        """Resume generation if a hold is open, recorded as ended by ``method`` (``swap_s``: a
-        staged sync's swap); returns its seconds (pause to resume)."""
-        if not self._hold.open:
-            return 0.0
-        try:
-            await self._bounded("resume_generation", self._llm.resume_generation())
-        finally:
-            window = self._stager.window if swap_s is not None else (None, None)
-            seconds = self._hold.stop(state, method, swap_s, window)
-        return seconds
 
     # for users ------------------------------------------------------------------------------
     async def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> list[Any]:

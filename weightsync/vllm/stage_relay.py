@@ -58,13 +58,13 @@ class StageRelay:
     def rank(self) -> int:
         return self.comm.rank
 
-    def _agree(self, ready: bool) -> list[int]:
-        return self.comm.agree(not ready, time.monotonic() + self.timeout_s)
+    def _agree(self, ready: bool, wait_s: float) -> list[int]:
+        return self.comm.agree(not ready, time.monotonic() + wait_s)
 
     def share(self, stage: torch.Tensor | None) -> None:
         """Rank 0: send ``stage`` (None: rank 0 has nothing to swap) once every rank agreed;
         raises naming the ranks that could not take it."""
-        refused = self._agree(stage is not None)
+        refused = self._agree(stage is not None, self.timeout_s)
         if stage is None:
             return
         others = [r for r in refused if r != 0]
@@ -74,8 +74,9 @@ class StageRelay:
 
     def follow(self, stage: torch.Tensor | None) -> bool:
         """Rank k: receive rank 0's stage into ``stage`` (None: this rank cannot take it, which
-        every rank is told); False when any rank refused, so there is nothing to swap."""
-        refused = self._agree(stage is not None)
+        every rank is told); False when any rank refused, so there is nothing to swap. It
+        waits for rank 0's receive to end first: up to twice the timeout."""
+        refused = self._agree(stage is not None, 2 * self.timeout_s)
         if refused or stage is None:
             return False
         self._pieces(stage)
