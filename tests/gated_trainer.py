@@ -51,10 +51,17 @@ class _Gated(Sequence[torch.Tensor]):
 class _GatedTrainer(TrainerHost):
     _gate: int | None = None
     _die = False
+    _after = False
 
     def gate_at(self, index: int) -> None:
         """The next sync stops before reading tensor ``index`` until :meth:`open_gate`."""
         self._gate, self._die = index, False
+        self._opened, self._reached = threading.Event(), threading.Event()
+
+    def gate_after_send(self) -> None:
+        """The next sync's send completes, then waits before answering until :meth:`open_gate`
+        (a broadcast worker has every byte and waits for the commit that needs this answer)."""
+        self._after = True
         self._opened, self._reached = threading.Event(), threading.Event()
 
     def die_at(self, index: int) -> None:
@@ -70,6 +77,12 @@ class _GatedTrainer(TrainerHost):
 
     def ws_send(self, call: SyncCall) -> Outcome:
         index, self._gate = self._gate, None  # one sync only
+        if self._after:
+            self._after = False
+            sent = super().ws_send(call)
+            self._reached.set()
+            self._opened.wait(300)
+            return sent
         if index is None:
             return super().ws_send(call)
         sender = self._ws()
