@@ -16,6 +16,8 @@ Everything is measured in one run, on one cluster, with the same actors:
   chunk (pack on the trainer, then consume on the worker);
 * the Ray object store: ``ray.put`` of the state dict on the trainer, ``ray.get`` on the
   worker, copied into its parameters;
+* ``staged``: a staged worker's swap (one copy of a sync's stage into the model, the stage
+  on the device, and on a GPU also in pinned host memory) against one raw copy;
 * a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
   (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`);
 * with ``--vllm-tp N`` (CPU, vLLM installed): N FSDP2 ranks of a Llama of the size into a
@@ -23,7 +25,11 @@ Everything is measured in one run, on one cluster, with the same actors:
   (:mod:`~weightsync.tools.bench.engine_tp`);
 * with ``--lora-rank R`` (PEFT installed): the size's policy with a LoRA adapter of rank R,
   its adapter synced (``lora=True``) against the same policy synced whole
-  (:mod:`~weightsync.tools.bench.lora`).
+  (:mod:`~weightsync.tools.bench.lora`);
+* with ``--vllm-staged`` (CPU, vLLM installed): a Llama of the size into a generating
+  ``LLM`` and ``AsyncLLM`` engine, over ipc and broadcast, unstaged and staged: how long
+  each sync held generation off, the swap, and the tokens generated during the transfer
+  (:mod:`~weightsync.tools.bench.engine_staged`).
 
 Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
 GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
@@ -51,7 +57,7 @@ from weightsync.tools.cli_types import (
 from weightsync.tools.models import SIZES
 
 #: The case groups ``--transports`` selects.
-TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore")
+TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore", "staged")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transports",
         type=comma_list(TRANSPORTS),
         default=list(TRANSPORTS),
-        help="comma-separated cases to run (default: all of ipc,direct,broadcast,naive,objectstore)",
+        help="comma-separated cases to run (default: all of ipc,direct,broadcast,naive,objectstore,staged)",
     )
     parser.add_argument(
         "--buffer-mib",
@@ -97,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also wrap each size's policy with a PEFT LoRA adapter of this rank and sync the adapter alone "
         "(lora=True) against the whole model, per transport; needs PEFT (default: off)",
+    )
+    parser.add_argument(
+        "--vllm-staged",
+        action="store_true",
+        help="also sync a Llama of each size into generating vLLM engines (LLM, AsyncLLM), unstaged and staged, "
+        "over ipc and broadcast, and report how long each sync held generation off; CPU, needs vLLM (default: off)",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument(

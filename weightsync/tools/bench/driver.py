@@ -17,6 +17,7 @@ from weightsync.core.wire.errors import SettingsError, SetupError, WeightSyncErr
 from weightsync.core.wire.outcome import Status
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.tools.bench.chart import check_plot_path, plot
+from weightsync.tools.bench.engine_staged import engine_staged_cases
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
 from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
@@ -203,6 +204,8 @@ class Bench:
             sync_case(f"weightsync {transport}", transport, None, 2, copy_s, workers[:1])
         if "direct" in args.transports:
             self.push_cases(size, trainer, workers[0], nbytes, copy_s)
+        if "staged" in args.transports:
+            self.swap_cases(size, trainer, nbytes, copy_s)
         if "ipc" in args.transports and not args.quick:
             for buffer_mib in args.buffer_mib:
                 for nbuf in (1, 2, 3):
@@ -232,10 +235,7 @@ class Bench:
             print(f"{size:>6} {'sharded trainer cases':<34} skipped: CPU only (gloo ranks)", flush=True)
         elif args.sharded_ranks:
             sharded_cases(self, size, workers, nbytes, {"broadcast": raw, "direct": copy_s, "ipc": copy_s})
-        if args.vllm_tp and cuda:
-            print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
-        elif args.vllm_tp:
-            engine_tp_cases(self, size, copy_s)
+        self.engine_cases(size, copy_s)
         if args.lora_rank:
             lora_cases(self, size)
         if cuda and "naive" in args.transports:
@@ -257,6 +257,30 @@ class Bench:
                 lambda: object_store(),
                 parties,
             )
+
+    def engine_cases(self, size: str, copy_s: float) -> None:
+        """The vLLM engine rows asked for (CPU only): tensor-parallel, staged."""
+        cuda = self.args.device == "cuda"
+        if self.args.vllm_tp and cuda:
+            print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
+        elif self.args.vllm_tp:
+            engine_tp_cases(self, size, copy_s)
+        if self.args.vllm_staged and cuda:
+            print(f"{size:>6} {'vllm staged cases':<34} skipped: CPU only (vLLM's CPU build)", flush=True)
+        elif self.args.vllm_staged:
+            engine_staged_cases(self, size)
+
+    def swap_cases(self, size: str, trainer: Any, nbytes: int, copy_s: float) -> None:
+        """A staged worker's swap (``ModuleSink(stage=...)``): one copy of a sync's stage into
+        the model, against one raw copy of its bytes; on a GPU from the device and from
+        pinned host memory. Timed in the actor that holds the model (the trainer's copy)."""
+        for place in ("device", "host") if self.args.device == "cuda" else ("device",):
+            name = f"staged swap, stage on {place}"
+            seconds, where = self.get(trainer.call.remote(probes.staged_swap_seconds, place, self.args.repeats))
+            case = Case(size, name, nbytes, times=[seconds] * 2, limit_s=copy_s, note=f"stage on {where}")
+            case.note += f", {seconds / copy_s:.2f}x one raw copy" if copy_s else ""
+            self.cases.append(case)
+            show(case)
 
     def push_cases(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
         """Direct in push mode: ``sync()`` as one Ray call (to the trainer), and a push from

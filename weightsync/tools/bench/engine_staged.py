@@ -91,7 +91,9 @@ def engine_staged_cases(bench: Timer, size: str) -> None:
         trainer = TrainerActor.options(num_cpus=0).remote(_LlamaTrainer(path), wire_dtype=torch.bfloat16)
         try:
             for kind, actor in (("LLM", VLLMWorker), ("AsyncLLM", AsyncVLLMWorker)):
-                options: dict[str, Any] = {"num_cpus": 0} if kind == "AsyncLLM" else {"num_cpus": 0, "max_concurrency": 3}
+                options: dict[str, Any] = (
+                    {"num_cpus": 0} if kind == "AsyncLLM" else {"num_cpus": 0, "max_concurrency": 3}
+                )
                 engine = actor.options(**options).remote(
                     model=path,
                     dtype="bfloat16",
