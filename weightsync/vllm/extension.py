@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from weightsync.vllm.lines import LineInfo
 from weightsync.vllm.rank import RankEndpoint
 from weightsync.vllm.relay import tp_relay
 from weightsync.vllm.reload import lifecycle
+from weightsync.vllm.staged_rank import StagedRank
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,13 @@ def encode_setup(info: SetupInfo | StageSetup) -> bytes:
     return bytes(cloudpickle.dumps(info))
 
 
+def _staging(endpoint: RankEndpoint, setup: StageSetup) -> Callable[[], StagedRank]:
+    """Makes the rank's staging side, connected to the engine actor's line."""
+    line = setup.line
+    assert line is not None, "StageSetup refuses staging without a line"
+    return lambda: StagedRank(endpoint, line, setup.timeout_s)
+
+
 def rank_info(endpoint: RankEndpoint) -> RankInfo:
     state = endpoint.receiver_state() or (None, "committed")
     return RankInfo(
@@ -149,7 +157,7 @@ class WorkerExtension:
                 runner=lambda: worker.model_runner,
             )
             if staging.staged:
-                endpoint.set_staging(staging.line, staging.timeout_s)
+                endpoint.set_staging(_staging(endpoint, staging))
 
         return run_call(setup, lambda: None)
 
@@ -222,7 +230,7 @@ class WorkerExtension:
             endpoint.weightsync_sink.set_staged(setup.staged, setup.stage, setup.keep_stage)
             if setup.staged:
                 with self._weightsync_config():
-                    endpoint.set_staging(setup.line, setup.timeout_s)
+                    endpoint.set_staging(_staging(endpoint, setup))
 
         return run_call(stage, lambda: None)
 

@@ -24,7 +24,7 @@ that load nothing never touch the model. Call order for one protocol call::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,10 +36,19 @@ from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin
 from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
 from weightsync.vllm.lora import EngineAdapter
 from weightsync.vllm.relay import Finish, RelayLoadError, TpRelay
-from weightsync.vllm.staged_rank import StagedRank
 
 #: Calls that may close this rank's transport: a staged receive still running is ended first.
 QUIETS = ("ws_accept", "ws_open", "ws_settle", "ws_teardown")
+
+
+class Staging(Protocol):
+    """What this rank's endpoint asks of its staging side (``staged_rank.StagedRank``)."""
+
+    def form_relay(self, tp_group: Any) -> None: ...
+
+    def quiet(self) -> None: ...
+
+    def swap(self, version: int) -> float: ...
 
 
 class _Alone:
@@ -102,7 +111,7 @@ class RankEndpoint(WorkerMixin):
             device=device,
         )
         #: The staging thread and group, once the engine actor set staging up (staged_rank.py).
-        self.staging: StagedRank | None = None
+        self.staging: Staging | None = None
         self.lora = EngineAdapter(runner, expected_specs, name)
 
     def weightsync_adapter_sink(self, manifest: Manifest, who: str) -> Sink:
@@ -129,13 +138,12 @@ class RankEndpoint(WorkerMixin):
         receiver.swap_later = self.staging is not None and self.weightsync_sink.staged
         return receiver
 
-    def set_staging(self, line: LineInfo | None, timeout_s: float) -> None:
-        """Connect this rank's staging thread to its engine actor (once) and form the TP
-        ranks' staging group; every rank at once, on the model's thread."""
-        if self.staging is None and line is not None:
-            self.staging = StagedRank(self, line, timeout_s)
-        if self.staging is not None:
-            self.staging.form_relay(self._tp_group())
+    def set_staging(self, make: Callable[[], Staging]) -> None:
+        """This rank's staging thread (``make`` connects it to the engine actor, once), then a
+        fresh staging group of the TP ranks; every rank at once, on the model's thread."""
+        if self.staging is None:
+            self.staging = make()
+        self.staging.form_relay(self._tp_group())
 
     def _tp_group(self) -> Any:
         return self._relay.group if self._relay is not None else _Alone()

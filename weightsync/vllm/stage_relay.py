@@ -6,7 +6,7 @@ engine receives on a thread of its own while the model keeps running, and the mo
 collectives run on vLLM's TP group at the same time: two threads issuing collectives on one
 group would interleave in a different order on each rank and hang or corrupt both. So the
 stage goes over a group of weightsync's own: a standalone gloo group of the engine's TP
-ranks (``weightsync.core.transport.gloo``), formed once when staging is set up (its
+ranks (``weightsync.mechanisms.gloo``), formed once when staging is set up (its
 rendezvous address handed out over vLLM's group, inside that setup call), used only by the
 ranks' staging threads. On a GPU gloo carries the bytes through host memory.
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from weightsync import WeightSyncError
-from weightsync.core.transport.gloo import GlooCommunicator, open_store
+from weightsync.mechanisms.gloo import GlooCommunicator, open_store
 
 #: Bytes per broadcast of a stage, and how many are in flight at once.
 PIECE_BYTES = 64 << 20
