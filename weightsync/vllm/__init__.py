@@ -4,6 +4,8 @@
   keyword arguments that is a worker for :class:`weightsync.WeightSync`.
 * :class:`AsyncVLLMWorker` (``weightsync.vllm.async_engine``): the same around vLLM's
   ``AsyncLLM``; a sync pauses generation (``pause_mode`` "keep", "wait" or "abort") and resumes it.
+* either with ``stage_updates=True``: generation goes on while a sync streams in, and is held
+  off only for the swap (``weightsync.vllm.staging``).
 * :class:`WorkerExtension` (``weightsync.vllm.extension``): for
   ``worker_extension_cls="weightsync.vllm.WorkerExtension"``; what crosses vLLM's RPC is bytes.
 * the native backend ``weightsync`` (``weightsync.vllm.backend``), registered in every vLLM

@@ -27,6 +27,10 @@ broadcast or with verify), then ``resume_generation()``; new requests queue mean
   requests) and the sync's wall time include that drain, bounded by ``timeout_s``.
 * ``pause_mode="abort"``: in-flight requests end at once (``finish_reason="abort"``).
 
+With ``stage_updates=True`` the engine stages each sync: every TP rank receives it into a
+stage on a thread of its own while requests stream on, and the pause (``pause_mode``)
+covers only the swap between two steps (``staging.py``, ``async_hold.py``).
+
 Outputs generated entirely after a sync come from its weights, and the engine reports its
 version (``weight_version()``; vLLM's ``update_weight_version`` before resuming). The
 seconds from pause to resume go back with the sync's answer
@@ -314,8 +318,12 @@ class _AsyncVLLMWorker(AsyncHolding, AsyncAdapterReport):
             self._stager.keep_stage = keep_stage if keep_stage is not None else self._stager.keep_stage
             setup = self._stager.setup(staged)
             self._stager.expect(llm.vllm_config.parallel_config.world_size)
-            self._replies(await self._rpc("weightsync_stage", (encode_setup(setup),)), "stage_updates")
-            await asyncio.to_thread(self._stager.connected)
+            try:
+                self._replies(await self._rpc("weightsync_stage", (encode_setup(setup),)), "stage_updates")
+                await asyncio.to_thread(self._stager.connected)
+            except BaseException:
+                self._stager.failed()
+                raise
             self._stage_updates = staged
 
     async def ranks(self) -> list[RankInfo]:

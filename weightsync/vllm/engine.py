@@ -30,6 +30,12 @@ uses unless told otherwise (:mod:`weightsync.vllm.served`; :meth:`adapter` repor
 version). For vLLM's ``AsyncLLM``, which pauses and resumes generation instead,
 see :class:`~weightsync.vllm.AsyncVLLMWorker`.
 
+With ``stage_updates=True`` (``stage=``, ``keep_stage=``; or :meth:`stage_updates`) the
+engine stages each sync instead: every TP rank receives it into a stage on a thread of its
+own while ``generate`` calls go on (``staging.py``), and generation is held off only for the
+swap between two steps (``blocking.py``); a sync that fails before its swap never touches
+the model.
+
 Every call into the engine is bounded by ``timeout_s``: one that does not answer, or an
 engine that died, raises :class:`EngineCallError` naming the worker and the call, and the
 actor refuses further calls with the same cause (vLLM cannot recover a dead engine).
@@ -51,15 +57,16 @@ from typing import Any
 
 import ray
 
-from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync import TensorSpec, WeightSyncError
 from weightsync.core.stage import check_place
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
+from weightsync.vllm.blocking import Blocking
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
-from weightsync.vllm.parts import PartRouting, State, answer, combine_states
+from weightsync.vllm.parts import PartRouting, answer
 from weightsync.vllm.plugin import BACKEND
 from weightsync.vllm.served import SYNCED, AdapterInfo, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
@@ -73,7 +80,7 @@ class EngineCallError(WeightSyncError):
 
 
 @forward_worker_protocol
-class _VLLMWorker:
+class _VLLMWorker(Blocking):
     def __init__(
         self,
         *,
@@ -251,53 +258,6 @@ class _VLLMWorker:
                 value = with_held_off(value, self._release(state[1] if state is not None else "unknown", method))
             return value
 
-    def _forward_staged(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A staged engine's receive or commit (``staging.py``): the transfer runs on the ranks'
-        staging threads while ``generate`` calls go on; generation is held off for the swap."""
-        with self._lock:
-            every = self._routing.every_rank(method, args)
-        try:
-            staged = self._stager.transfer(method, args, kwargs, every)
-        finally:
-            self._routing.forwarded(method, every)
-        if staged.ready is None:
-            return staged.value
-        self._swap_wanted = True  # generate calls not yet running wait from here on
-        with self._lock:  # a generate call running finishes first, on the old weights
-            self._hold.start(in_flight=0)
-            self._stager.holding()
-            try:
-                replies = self._replies(self._rpc("weightsync_swap", args=(staged.ready,)), "swap")
-                state = combine_states([r.state for r in replies])
-                self._after(state)
-            except BaseException:
-                self._release("failed", method)
-                raise
-            swap_s = max(float(r.value) for r in replies)
-            held = self._release(state[1] if state is not None else "unknown", method, swap_s)
-            return self._stager.swapped(staged, replies, held)
-
-    def _release(self, state: str, method: str, swap_s: float | None = None) -> float:
-        """End an open hold (under the lock), recorded as ended by ``method``, and wake the
-        waiting ``generate`` calls; ``swap_s``: a staged sync's swap."""
-        self._swap_wanted = False
-        if not self._hold.open:
-            self._idle.notify_all()
-            return 0.0
-        seconds = self._hold.stop(state, method, swap_s, self._stager.window if swap_s is not None else (None, None))
-        self._idle.notify_all()
-        return seconds
-
-    def _after(self, reply_state: State | None) -> None:
-        """A newly committed version: drop the old prefix cache, tell vLLM the version."""
-        if reply_state is None:
-            return
-        version, state = reply_state
-        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
-            self._version = version
-            self.llm.reset_prefix_cache()
-            self.llm.llm_engine.set_weight_version(str(version))
-
     # for users ------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> Any:
         """vLLM's ``LLM.generate``; never runs during a sync (it waits for the sync's commit,
@@ -356,8 +316,12 @@ class _VLLMWorker:
             self._stager.keep_stage = keep_stage if keep_stage is not None else self._stager.keep_stage
             setup = self._stager.setup(staged)
             self._stager.expect(len(self._rank_pids))
-            self._replies(self._rpc("weightsync_stage", args=(encode_setup(setup),)), "stage_updates")
-            self._stager.connected()
+            try:
+                self._replies(self._rpc("weightsync_stage", args=(encode_setup(setup),)), "stage_updates")
+                self._stager.connected()
+            except BaseException:
+                self._stager.failed()
+                raise
             self._staged = staged
 
     def ranks(self) -> list[RankInfo]:

@@ -203,6 +203,10 @@ class RankLine:
             except OSError:
                 return
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a running job to end; True when none runs."""
         deadline = time.monotonic() + timeout_s

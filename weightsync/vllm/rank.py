@@ -44,6 +44,10 @@ QUIETS = ("ws_accept", "ws_open", "ws_settle", "ws_teardown")
 class Staging(Protocol):
     """What this rank's endpoint asks of its staging side (``staged_rank.StagedRank``)."""
 
+    @property
+    def alive(self) -> bool:
+        """False once its line to the engine actor is gone (the actor closed it)."""
+
     def form_relay(self, tp_group: Any) -> None: ...
 
     def quiet(self) -> None: ...
@@ -141,7 +145,7 @@ class RankEndpoint(WorkerMixin):
     def set_staging(self, make: Callable[[], Staging]) -> None:
         """This rank's staging thread (``make`` connects it to the engine actor, once), then a
         fresh staging group of the TP ranks; every rank at once, on the model's thread."""
-        if self.staging is None:
+        if self.staging is None or not self.staging.alive:
             self.staging = make()
         self.staging.form_relay(self._tp_group())
 

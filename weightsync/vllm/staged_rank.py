@@ -50,6 +50,11 @@ class StagedRank:
         self.relay: StageRelay | None = None
         self.line = RankLine(line, endpoint.tp_rank, self.serve, endpoint.name)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the line to the engine actor still serves jobs."""
+        return self.line.alive
+
     # set-up (the model's thread, every rank at once) -----------------------------------
     def form_relay(self, tp_group: Any) -> None:
         """(Re)form the staging group of the TP ranks (after any failure it may be broken)."""

@@ -110,6 +110,11 @@ class Stager:
         if self.lines is not None and self.lines.ranks == 0:
             self.lines.accepted(self.timeout_s)
 
+    def failed(self) -> None:
+        """The RPC that set staging up failed: stop listening, so that the next attempt
+        starts afresh (the ranks make new lines when theirs are gone)."""
+        self.close()
+
     # one staged call ----------------------------------------------------------------------
     def transfer(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], every: bool) -> Staged:
         """Run ``method`` on every rank's staging thread (blocking; generation goes on)."""
