@@ -341,7 +341,10 @@ class _VLLMWorker(Blocking):
             return self._served.info
 
     def weight_version(self) -> str:
-        return str(self.llm.llm_engine.engine_core.get_weight_version())
+        """The version vLLM holds. Under the lock: vLLM's engine client is not thread-safe, and
+        a ``generate`` call may run on another thread (it finishes first)."""
+        with self._lock:
+            return str(self.llm.llm_engine.engine_core.get_weight_version())
 
     def shutdown(self) -> None:
         """Stop the engine's processes (the actor stays up, and unusable)."""
