@@ -25,7 +25,7 @@ from torch import nn
 
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
-from weightsync.core.stage import Staging, copy_in
+from weightsync.core.stage import Staging, copy_in, one_device
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -138,17 +138,6 @@ def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
         )
 
 
-def _one_device(held: Sequence[torch.Tensor]) -> torch.device:
-    """The one device a module's tensors are on (its stage goes there)."""
-    devices = sorted({str(t.device) for t in held})
-    if len(devices) > 1:
-        raise WeightSyncError(
-            f"a staging ModuleSink needs the module on one device, found tensors on {', '.join(devices)}; "
-            "move the module to one device or stage without it"
-        )
-    return held[0].device if held else torch.device("cpu")
-
-
 class ModuleSink:
     """Copies received tensors into ``module``'s parameters and buffers by name.
 
@@ -215,7 +204,7 @@ class ModuleSink:
         self._order = [self._by_name[spec.name] for spec in manifest.specs]
         _check_held(manifest, self._order)
         if self.staging is not None:
-            return list(self.staging.open(manifest, _one_device(self._order)))
+            return list(self.staging.open(manifest, one_device(self._order)))
         return [t.data if t.is_contiguous() else None for t in self._order]
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -231,11 +220,15 @@ class ModuleSink:
         """Copy the staged sync into the module's tensors (the swap), then release the stage.
         Refuses, before copying anything, a module whose tensors were replaced meanwhile."""
         assert self.staging is not None, "land() is a staging sink's"
-        paths = self._held_paths
-        if paths is None or not paths.unchanged():
-            raise ModelChangedError("the module's tensors were replaced while a staged sync arrived; run setup() again")
-        self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()])
-        self.staging.release()
+        try:
+            paths = self._held_paths
+            if paths is None or not paths.unchanged():
+                raise ModelChangedError(
+                    "the module's tensors were replaced while a staged sync arrived; run setup() again"
+                )
+            self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()])
+        finally:
+            self.staging.release()
 
     def discard(self) -> None:
         if self.staging is not None:
@@ -349,13 +342,15 @@ class LoadWeightsSink:
 
     def land(self) -> None:
         """Load what a staged sync kept (the receiver calls it as the sync commits)."""
-        names = [name for name, _ in self.staging.items()]
+        items = self.staging.items()
         start = time.perf_counter()
-        with torch.no_grad():
-            self._load_weights(iter(self.staging.items()))
+        try:
+            with torch.no_grad():
+                self._load_weights(iter(items))
+        finally:
+            self.staging.release()  # loaded or not, the stage is spent
         self.staging.swap_s = time.perf_counter() - start
-        self._received.update(zip(names, self.staging.sums()))
-        self.staging.release()
+        self._received.update(zip((name for name, _ in items), self.staging.sums()))
 
     def discard(self) -> None:
         """Drop what a staged sync kept: it failed, the model was never touched."""

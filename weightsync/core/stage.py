@@ -213,6 +213,17 @@ def _stage_bytes(manifest: Manifest) -> int:
     return cursor
 
 
+def one_device(held: Sequence[torch.Tensor]) -> torch.device:
+    """The one device a module's tensors are on (its stage goes there)."""
+    devices = sorted({str(t.device) for t in held})
+    if len(devices) > 1:
+        raise WeightSyncError(
+            f"a staging ModuleSink needs the module on one device, found tensors on {', '.join(devices)}; "
+            "move the module to one device or stage without it"
+        )
+    return held[0].device if held else torch.device("cpu")
+
+
 def copy_in(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> float:
     """Copy each staged tensor into its destination (the swap of a module sink); returns
     the seconds, the copies finished (a GPU is synchronized). One batched call where torch
