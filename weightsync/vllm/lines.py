@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 from weightsync import WeightSyncError
@@ -99,7 +100,11 @@ class EngineLines:
             by_rank: dict[int, Connection] = {}
             try:
                 while len(by_rank) < ranks:
-                    conn = listener.accept()
+                    try:
+                        conn = listener.accept()
+                    except (AuthenticationError, EOFError) as exc:  # a caller without the key
+                        log.warning("weightsync: %s: refused a connection to its staging lines: %s", self.name, exc)
+                        continue
                     rank = conn.recv()
                     if not isinstance(rank, int) or not 0 <= rank < ranks or rank in by_rank:
                         conn.close()

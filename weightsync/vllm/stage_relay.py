@@ -49,9 +49,17 @@ class StageRelay:
         """Every TP rank at once, inside one ``collective_rpc``: rank 0 opens the rendezvous
         store on loopback and tells the others its port over vLLM's group (``tp_group``)."""
         rank, size = int(tp_group.rank_in_group), int(tp_group.world_size)
-        store = open_store("127.0.0.1", 0, size, timeout_s) if rank == 0 else None
-        port = tp_group.broadcast_object(store.port if store is not None else None, src=0)
-        comm = GlooCommunicator("127.0.0.1", int(port), rank, size, "weightsync-stage", timeout_s, store=store)
+        store, problem = None, ""
+        if rank == 0:
+            try:
+                store = open_store("127.0.0.1", 0, size, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - every rank is told below, and raises
+                problem = f"{type(exc).__name__}: {exc}"
+        # Every rank takes part in this broadcast, also when rank 0 failed: none is left waiting.
+        port = tp_group.broadcast_object(store.port if store is not None else problem, src=0)
+        if not isinstance(port, int):
+            raise StageRelayError(f"TP rank 0 could not open the staging group's store on 127.0.0.1 ({port})")
+        comm = GlooCommunicator("127.0.0.1", port, rank, size, "weightsync-stage", timeout_s, store=store)
         return cls(comm, timeout_s)
 
     @property

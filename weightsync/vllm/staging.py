@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.core.wire.errors import SyncInFlight
+from weightsync.core.wire.errors import SyncInFlight, WeightSyncError
 from weightsync.core.wire.messages import ReceiveResult
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.report import StageReport
@@ -41,6 +41,8 @@ from weightsync.vllm.parts import State, answer, combine_states
 from weightsync.vllm.staged_rank import STAGED_CALLS
 
 log = logging.getLogger("weightsync")
+#: Coordinator calls after which no staged sync waits for its commit any more.
+ENDS_A_SYNC = ("ws_accept", "ws_open", "ws_settle", "ws_teardown")
 
 __all__ = ["STAGED_CALLS", "Staged", "Stager"]
 
@@ -115,6 +117,13 @@ class Stager:
         starts afresh (the ranks make new lines when theirs are gone)."""
         self.close()
 
+    def forwarded(self, method: str) -> None:
+        """A coordinator call that went to the ranks the usual way: one that settles, tears
+        down or sets up again ends a staged sync still waiting for its commit (the ranks
+        drop its stage themselves in that call)."""
+        if method in ENDS_A_SYNC:
+            self.waiting, self._started = None, None
+
     # one staged call ----------------------------------------------------------------------
     def transfer(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], every: bool) -> Staged:
         """Run ``method`` on every rank's staging thread (blocking; generation goes on)."""
@@ -145,6 +154,14 @@ class Stager:
             self.discard()
             return Staged(value, state, None, stages, seconds)
         ready = _ready(replies, every)
+        marked = [r.ready for r in (replies if every else replies[:1]) if r.ready is not None]
+        if ready is None and marked:  # a receiver committed, yet not every rank holds that sync
+            self.discard()
+            lacking = [k for k, r in enumerate(replies) if not r.staged or (every and r.ready is None)]
+            raise WeightSyncError(
+                f"{self.name}: version {marked[0]} is ready on some TP ranks but TP rank(s) {lacking} hold no stage "
+                "of it; no rank swaps, the engine keeps its version"
+            )
         self.waiting = getattr(call, "version", None) if ready is None and method == "ws_receive" else None
         return Staged(value, state, ready, stages, seconds)
 
