@@ -25,7 +25,7 @@ from torch import nn
 
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
-from weightsync.core.stage import Staging, copy_in, one_device
+from weightsync.core.stage import CopyPlans, Staging, copy_in, one_device
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -161,6 +161,7 @@ class ModuleSink:
         self.module = module
         # A module's checksums are read from it (or its pending stage) when asked: none kept.
         self.staging = Staging(stage, keep_stage, record=False) if stage is not None else None
+        self._plans = CopyPlans()  # the swap's copies, in one kernel launch on a GPU
         self.staged = self.staging is not None
         #: The trainer may write the module itself (``direct``) only when it does not stage.
         self.allows_direct = not self.staged
@@ -226,7 +227,7 @@ class ModuleSink:
                 raise ModelChangedError(
                     "the module's tensors were replaced while a staged sync arrived; run setup() again"
                 )
-            self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()])
+            self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()], self._plans)
         finally:
             self.staging.release()
 

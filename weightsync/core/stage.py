@@ -28,6 +28,7 @@ receiver)::
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -38,6 +39,7 @@ from weightsync.core.wire.errors import SettingsError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.plan import align_up
 from weightsync.core.wire.report import STAGE_PLACES, StageReport
+from weightsync.mechanisms.batched_copy import BatchedCopier, CopyPlan, plan_key
 
 #: What ``place`` may say.
 PLACES = ("auto", *STAGE_PLACES)
@@ -91,8 +93,12 @@ class Stage:
         self.views = [typed_view(self.buffer, o, s) for o, s in zip(offsets, manifest.specs)]
 
     def fits(self, manifest: Manifest, device: torch.device, where: str) -> bool:
-        """Whether this stage serves a sync of ``manifest`` on ``device`` in ``where`` as it is."""
-        return self.manifest is manifest and self.device == device and self.where == where
+        """Whether this stage serves a sync of ``manifest`` on ``device`` in ``where`` as it is
+        (a manifest of the same tensors and alignment: a new session of the same model)."""
+        same = self.manifest is manifest or (
+            self.manifest.specs == manifest.specs and self.manifest.agreed.alignment == manifest.agreed.alignment
+        )
+        return same and self.device == device and self.where == where
 
     def items(self) -> list[tuple[str, torch.Tensor]]:
         return [(spec.name, view) for spec, view in zip(self.manifest.specs, self.views)]
@@ -224,19 +230,45 @@ def one_device(held: Sequence[torch.Tensor]) -> torch.device:
     return held[0].device if held else torch.device("cpu")
 
 
-def copy_in(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> float:
+def copy_in(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], plans: CopyPlans) -> float:
     """Copy each staged tensor into its destination (the swap of a module sink); returns
-    the seconds, the copies finished (a GPU is synchronized). One batched call where torch
-    has it (``_foreach_copy_``), tensor by tensor otherwise."""
+    the seconds, the copies finished (a GPU is synchronized). On a GPU, device to device,
+    one launch of the batched copy kernel (``weightsync.mechanisms.batched_copy``) where
+    CuPy is installed; every other pair (from pinned host memory, on a CPU) one ``copy_``."""
     start = time.perf_counter()
     with torch.no_grad():
-        foreach = getattr(torch, "_foreach_copy_", None)
-        if foreach is not None and destinations:
-            foreach(list(destinations), list(sources), non_blocking=True)
-        else:
-            for dest, src in zip(destinations, sources):
-                dest.copy_(src, non_blocking=True)
+        left = plans.run(destinations, sources)
+        for index in left:
+            destinations[index].copy_(sources[index], non_blocking=True)
         devices = {d.device for d in destinations if d.device.type == "cuda"}
         for device in devices:
             torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+class CopyPlans:
+    """A staging sink's batched copy plan (on a GPU), kept while the stage and the model's
+    tensors stay where they were."""
+
+    def __init__(self) -> None:
+        self._plan: CopyPlan | None = None
+        self._key: object = None
+
+    def run(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[int]:
+        """Queue the kernel's copies; returns the indices of the pairs it cannot take."""
+        device = destinations[0].device if destinations else torch.device("cpu")
+        if device.type != "cuda" or any(s.device != device for s in sources):
+            return list(range(len(destinations)))
+        copier = _copier(device.index if device.index is not None else torch.cuda.current_device())
+        if copier is None:
+            return list(range(len(destinations)))
+        key = (plan_key(sources), plan_key(destinations))
+        if self._plan is None or key != self._key:
+            self._plan, self._key = copier.plan(destinations, sources, key=key[0]), key
+        copier.launch(self._plan, torch.cuda.current_stream(device))
+        return list(self._plan.leftovers)
+
+
+@functools.cache
+def _copier(index: int) -> BatchedCopier | None:
+    return BatchedCopier.create(torch.device("cuda", index))
