@@ -186,6 +186,8 @@ def staged_swap_seconds(model: torch.nn.Module, place: str, repeats: int) -> tup
             for view, tensor in zip(views, held):
                 assert view is not None
                 view.copy_(tensor)
+        if held and held[0].device.type == "cuda":
+            torch.cuda.synchronize(held[0].device)  # a transport's receive drains before it returns
         sink.seal()
         where = sink.staging.report().where[0]  # type: ignore[union-attr]
         sink.land()
