@@ -23,6 +23,7 @@ from weightsync import WorkerState
 from weightsync.vllm.codec import Reply
 from weightsync.vllm.hold import SyncHold
 from weightsync.vllm.parts import PartRouting, State, combine_states
+from weightsync.vllm.served import ServedAdapter
 from weightsync.vllm.staging import Stager
 
 log = logging.getLogger("weightsync")
@@ -37,6 +38,7 @@ class AsyncHolding:
     _stager: Stager
     _routing: PartRouting
     _version: int | None
+    _served: ServedAdapter
 
     # The actor's own (AsyncVLLMWorker's): its engine, bounded calls and decoded replies.
     async def _started(self) -> Any:
@@ -62,6 +64,7 @@ class AsyncHolding:
         finally:
             self._routing.forwarded(method, every)
         if staged.ready is None:
+            self._served.forwarded(method, args, staged.value, staged.state)
             return staged.value
         self._hold.start(in_flight=llm.get_num_unfinished_requests())
         self._stager.holding()
@@ -71,6 +74,7 @@ class AsyncHolding:
             replies = self._replies(await self._rpc("weightsync_swap", (staged.ready,)), "swap")
             await pause
             state = combine_states([r.state for r in replies])
+            self._served.forwarded(method, args, staged.value, state)
             await self._after(state)
         except BaseException:
             pause.cancel()

@@ -21,6 +21,7 @@ from weightsync import WorkerState
 from weightsync.vllm.codec import Reply
 from weightsync.vllm.hold import SyncHold
 from weightsync.vllm.parts import PartRouting, State, combine_states
+from weightsync.vllm.served import ServedAdapter
 from weightsync.vllm.staging import Stager
 
 
@@ -36,6 +37,7 @@ class Blocking:
     _routing: PartRouting
     _version: int | None
     _swap_wanted: bool
+    _served: ServedAdapter
 
     # The actor's own (VLLMWorker's): its bounded calls and decoded replies.
     def _rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -54,6 +56,7 @@ class Blocking:
         finally:
             self._routing.forwarded(method, every)
         if staged.ready is None:
+            self._served.forwarded(method, args, staged.value, staged.state)
             return staged.value
         self._swap_wanted = True  # generate calls not yet running wait from here on
         with self._lock:  # a generate call running finishes first, on the old weights
@@ -62,6 +65,7 @@ class Blocking:
             try:
                 replies = self._replies(self._rpc("weightsync_swap", args=(staged.ready,)), "swap")
                 state = combine_states([r.state for r in replies])
+                self._served.forwarded(method, args, staged.value, state)
                 self._after(state)
             except BaseException:
                 self._release("failed", method)

@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from weightsync import WeightSyncError, WorkerState
+from weightsync.core.sinks import LoadWeightsSink
 from weightsync.core.wire.outcome import Outcome, failed
 from weightsync.vllm.codec import Call, Reply, decode_call, encode_reply, failed_reply
 from weightsync.vllm.lines import LineInfo, RankLine
@@ -97,7 +98,7 @@ class StagedRank:
         """Rank 0: its stage to the other ranks (or word that it has none)."""
         assert self.relay is not None
         ep = self.endpoint
-        staging = ep.weightsync_sink.staging
+        staging = _sink(ep).staging
         stage = staging.stage if outcome.ok and staging.pending else None
         try:
             self.relay.share(stage.buffer if stage is not None else None)
@@ -112,7 +113,7 @@ class StagedRank:
         """Rank k: rank 0's stage into this rank's own (opened on this rank's device)."""
         assert self.relay is not None, "a follower stages through the relay"
         ep = self.endpoint
-        sink = ep.weightsync_sink
+        sink = _sink(ep)
         manifest = ep._wr().manifest
         buffer = problem = None
         try:
@@ -140,7 +141,7 @@ class StagedRank:
     def _reply(self, value: Any) -> bytes:
         ep = self.endpoint
         receiver = ep._wr()
-        staging = ep.weightsync_sink.staging
+        staging = _sink(ep).staging
         return encode_reply(
             Reply(
                 ok=True,
@@ -157,7 +158,7 @@ class StagedRank:
         receiver = self.endpoint._wr()
         if receiver.state is WorkerState.RECEIVING:
             receiver.settle()
-        self.endpoint.weightsync_sink.discard()
+        _sink(self.endpoint).discard()
 
     # the model's thread -----------------------------------------------------------------
     def swap(self, version: int) -> float:
@@ -174,7 +175,7 @@ class StagedRank:
             if receiver.ready is not None:
                 receiver.swap()
             else:  # a follower: its stage came from rank 0
-                ep.weightsync_sink.land()
+                _sink(ep).land()
                 ep.fed_by = "relay"
                 receiver.version, receiver.state = version, WorkerState.COMMITTED
                 ep.mirrored_state = (version, WorkerState.COMMITTED.value)
@@ -230,3 +231,12 @@ class StagedRank:
         if self.relay is not None:
             self.relay.close()
             self.relay = None
+
+
+def _sink(endpoint: RankEndpoint) -> LoadWeightsSink:
+    """The sink this rank's session receives into: the model's, or with ``lora=True`` the
+    adapter's (both stage on a staged engine)."""
+    sink = endpoint._wr().sink
+    if not isinstance(sink, LoadWeightsSink) or not sink.staged:
+        raise WeightSyncError(f"{endpoint.name} (TP rank {endpoint.tp_rank}): this session's sink does not stage")
+    return sink
