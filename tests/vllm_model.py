@@ -274,6 +274,16 @@ def fail_adapter_receive_once(worker: Any) -> None:
     """The next sync's receive fails on this rank once its first tensors reached the sink
     (as a transfer that breaks midway would); the sink works again afterwards."""
     sink = worker._weightsync_ep()._ws_receiver.sink
+    if sink.staged:  # every tensor lands in the stage: it breaks once they all did
+        seal = sink.seal
+
+        def failing_seal() -> None:
+            del sink.seal
+            raise RuntimeError("the adapter's transfer broke after its last tensor (injected by the test)")
+
+        sink.seal = failing_seal
+        del seal
+        return
     consume = sink.consume
 
     def failing(items: list[tuple[str, torch.Tensor]]) -> None:
