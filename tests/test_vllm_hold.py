@@ -102,6 +102,7 @@ def _sync_worker(answers: Iterator[list[bytes]]) -> Any:
     worker._idle = threading.Condition(worker._lock)
     worker._hold = SyncHold("block")
     worker._routing = PartRouting(1)
+    worker._served = ServedAdapter("vllm")
 
     def rpc(method: str, args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
         answer = next(answers, None)

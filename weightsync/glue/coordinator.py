@@ -50,6 +50,23 @@ from weightsync.glue.steps import Steps
 log = logging.getLogger("weightsync")
 
 
+def resolve_settings(settings: SyncSettings | None, **overrides: Any) -> SyncSettings:
+    """``settings`` (by default ``SyncSettings()``) with each keyword that is not None
+    replacing its field; refuses anything but a SyncSettings, and unknown fields."""
+    base = settings if settings is not None else SyncSettings()
+    if not isinstance(base, SyncSettings):
+        raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
+    return base.with_overrides(**overrides)
+
+
+def check_options(backend: object, push: object) -> None:
+    """Refuse a ``backend`` or ``push`` that WeightSync does not take, naming it."""
+    if backend not in (None, "gloo", "nccl"):
+        raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    if not isinstance(push, bool):
+        raise SettingsError(f"push must be True or False, got {push!r}")
+
+
 class WeightSync:
     """Moves a trainer actor's weights to worker actors.
 
@@ -90,10 +107,8 @@ class WeightSync:
         push: bool = False,
         lora: bool | None = None,
     ) -> None:
-        base = settings if settings is not None else SyncSettings()
-        if not isinstance(base, SyncSettings):
-            raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
-        self.settings = base.with_overrides(
+        self.settings = resolve_settings(
+            settings,
             buffer_bytes=buffer_bytes,
             num_buffers=num_buffers,
             inplace_bytes=inplace_bytes,
@@ -103,16 +118,12 @@ class WeightSync:
             gather_bytes=gather_bytes,
             lora=lora,
         )
-        if backend not in (None, "gloo", "nccl"):
-            raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        check_options(backend, push)
         self.backend = backend
-        if not isinstance(push, bool):
-            raise SettingsError(f"push must be True or False, got {push!r}")
         self.push = push
-        ranks = TrainerRanks(trainer)
+        self.ranks = ranks = TrainerRanks(trainer)
         if push and len(ranks.names) > 1:
             raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
-        self.ranks = ranks
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
         #: How the trainer's parties name this coordinator (a push that finds its session

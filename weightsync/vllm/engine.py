@@ -59,6 +59,7 @@ import ray
 
 from weightsync import TensorSpec, WeightSyncError
 from weightsync.core.stage import check_place
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.blocking import Blocking
 from weightsync.vllm.checkpoint import engine_specs
@@ -85,7 +86,7 @@ class _VLLMWorker(Blocking):
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         native: bool = False,
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
@@ -102,8 +103,6 @@ class _VLLMWorker(Blocking):
         if native and stage_updates:
             raise ValueError("stage_updates=True works through the worker extension; drop native=True")
         os.environ.update(env or {})  # before vLLM reads its settings
-        from vllm import LLM
-
         extension = llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
         if extension != EXTENSION:
             raise ValueError(f"VLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
@@ -132,18 +131,23 @@ class _VLLMWorker(Blocking):
         self._served = ServedAdapter(name)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
         try:
-            try:
-                self.llm = LLM(**llm_kwargs)
-            except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
-                raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
-            self._set_up(expected_specs, check_model)
+            self._start(llm_kwargs, expected_specs, check_model)
         except BaseException:
             self._stop()  # else the engine's processes and socket folder outlive the failed actor
             raise
 
-    def _set_up(self, expected_specs: Sequence[TensorSpec] | None, check_model: bool) -> None:
-        """Every rank's endpoint (and, staging, its line and staging group), then the native
-        backend's, then which ranks there are."""
+    def _start(
+        self, llm_kwargs: dict[str, Any], expected_specs: Sequence[TensorSpec] | None, check_model: bool
+    ) -> None:
+        """Start the engine, then set weightsync up in each of its ranks (and, staging, its
+        line and staging group; then the native backend), with the specs a manifest is
+        checked against (see the actor's arguments)."""
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(**llm_kwargs)
+        except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
+            raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
         config = self.llm.llm_engine.vllm_config
         if expected_specs is None and check_model:
             expected_specs = engine_specs(self.name, config)

@@ -69,7 +69,7 @@ class _Generating:
 
     def stop(self, bench: Timer) -> None:
         self._stop.set()
-        self._thread.join(bench.timeout)
+        self._thread.join(bench.timeout_s)
 
 
 def engine_staged_cases(bench: Timer, size: str) -> None:
@@ -101,7 +101,7 @@ def engine_staged_cases(bench: Timer, size: str) -> None:
                     max_model_len=128,
                     env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
                     name="vllm",
-                    timeout_s=bench.timeout,
+                    timeout_s=bench.timeout_s,
                 )
                 try:
                     bench.get(engine.pid.remote())
@@ -130,7 +130,7 @@ def _engine_cases(bench: Timer, size: str, trainer: Any, engine: Any, kind: str)
 def _one_case(bench: Timer, size: str, trainer: Any, engine: Any, name: str, transport: str, staged: bool) -> None:
     from weightsync.glue.coordinator import WeightSync
 
-    ws = WeightSync(trainer, {"vllm": engine}, transport=transport, timeout_s=bench.timeout)
+    ws = WeightSync(trainer, {"vllm": engine}, transport=transport, timeout_s=bench.timeout_s)
     try:
         built = ws.setup()
     except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
