@@ -24,9 +24,11 @@ is never taken for the next job's. Call order::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -193,20 +195,23 @@ class RankLine:
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            try:
-                seq, kind, payload = self._conn.recv()
-            except (EOFError, OSError):
-                return  # the actor closed the line (or died): nothing more to serve
-            self.busy.set()
-            try:
-                reply = self._serve(kind, payload)
-            finally:
-                self.busy.clear()
-            try:
-                self._conn.send((seq, reply))
-            except OSError:
-                return
+        try:
+            while True:
+                try:
+                    seq, kind, payload = self._conn.recv()
+                except (EOFError, OSError):
+                    return  # the line was closed at either end (or the actor died)
+                self.busy.set()
+                try:
+                    reply = self._serve(kind, payload)
+                finally:
+                    self.busy.clear()
+                try:
+                    self._conn.send((seq, reply))
+                except OSError:
+                    return
+        finally:
+            self._conn.close()  # this thread's alone: closed under a blocked read, it would raise
 
     @property
     def alive(self) -> bool:
@@ -220,4 +225,12 @@ class RankLine:
         return not self.busy.is_set()
 
     def close(self) -> None:
-        self._conn.close()
+        """End the line: its socket is shut down, so the thread's read (or its reply to a job
+        still running) ends and the thread closes the connection as it returns."""
+        try:
+            end = socket.socket(fileno=os.dup(self._conn.fileno()))
+        except OSError:
+            return  # the thread already closed it
+        with end:
+            with contextlib.suppress(OSError):  # the actor's end may be gone first
+                end.shutdown(socket.SHUT_RDWR)
