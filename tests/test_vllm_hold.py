@@ -92,9 +92,12 @@ def _sync_worker(answers: Iterator[list[bytes]]) -> Any:
     from weightsync.vllm.engine import EngineCallError, _VLLMWorker
     from weightsync.vllm.parts import PartRouting
     from weightsync.vllm.served import ServedAdapter
+    from weightsync.vllm.staging import Stager
 
     worker: Any = object.__new__(_VLLMWorker)  # the actor's bookkeeping, without an engine
     worker.name, worker.timeout_s, worker.native, worker._broken, worker._version = "vllm", 30.0, False, None, None
+    worker._staged, worker._swap_wanted, worker._stager = False, False, Stager("vllm", 30.0)
+    worker._served = ServedAdapter("vllm")
     worker._lock = threading.Lock()
     worker._idle = threading.Condition(worker._lock)
     worker._hold = SyncHold("block")

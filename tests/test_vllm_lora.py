@@ -3,8 +3,8 @@
 One engine for the module, used in file order: two trained syncs of the trainer's PEFT
 adapter (the engine then computes what the trainer's PEFT model computes, its base weights
 untouched and its base model, asked without the adapter, unchanged), a sync that breaks
-midway (the previous adapter keeps serving), and adapters the engine cannot serve,
-refused at setup by name.
+midway (the previous adapter keeps serving), a staged sync (the adapter swapped in between
+steps), and adapters the engine cannot serve, refused at setup by name.
 
 The log-probs compared are next-token log-probs over the whole vocabulary after every
 prefix of the prompts, which together are the prompts' log-probs: vLLM 0.32 cannot return
@@ -149,6 +149,26 @@ def test_a_sync_that_breaks_midway_leaves_the_previous_adapter_serving(
         assert get(engine.adapter.remote()).version == 4
         expected = get(trainer.call.remote(vm.next_token_logprobs, prefixes))
         assert worst_difference(engine_logprobs(engine, prefixes), expected) < LOGPROB_TOL
+
+
+def test_a_staged_engine_swaps_the_synced_adapter_between_steps(
+    engine: Any, trainer: Any, prefixes: list[list[int]]
+) -> None:
+    """``stage_updates(True)``: the adapter lands in each rank's stage while the engine keeps
+    serving the previous one, and the swap installs it; the engine then follows the trainer."""
+    get(engine.stage_updates.remote(True))
+    try:
+        assert get(trainer.call.remote(vm.train_adapter, 5)) > 0
+        with WeightSync(trainer, {"vllm-lora": engine}, lora=True, timeout_s=120) as ws:
+            report = ws.sync(5)
+        (w,) = report.workers
+        assert (w.version, w.state) == (5, "committed") and w.stage is not None and w.stage.swap_s > 0, w
+        assert w.stage.part_bytes[0] >= report.sent_bytes and get(engine.last_hold.remote()).staged
+        assert get(engine.adapter.remote()).version == 5
+        expected = get(trainer.call.remote(vm.next_token_logprobs, prefixes))
+        assert worst_difference(engine_logprobs(engine, prefixes), expected) < LOGPROB_TOL
+    finally:
+        get(engine.stage_updates.remote(False))
 
 
 def big_adapter(model: Any) -> None:

@@ -25,7 +25,8 @@ vllm = pytest.importorskip(
 
 from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
-from tests.conftest import ActorPool  # noqa: E402
+from tests.conftest import RAY_TIMEOUT, ActorPool  # noqa: E402
+from tests.gated_trainer import GatedTrainer  # noqa: E402
 from tests.test_vllm import (  # noqa: E402
     ENGINE_START_S,
     ENV,
@@ -37,7 +38,8 @@ from tests.test_vllm import (  # noqa: E402
 )
 from tests.test_vllm_async import LONG, sync_with_requests_in_flight  # noqa: E402
 from tests.test_vllm_casts import BUFFER, Rank, gathered  # noqa: E402
-from weightsync import SyncError, TrainerActor, WeightSync  # noqa: E402
+from tests.test_vllm_staged import Sync  # noqa: E402
+from weightsync import SyncError, WeightSync  # noqa: E402
 from weightsync.glue.ranks import RankSpec  # noqa: E402
 from weightsync.vllm import AsyncVLLMWorker  # noqa: E402
 
@@ -65,8 +67,9 @@ def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def trainer(pool: ActorPool, checkpoint: str) -> Any:
+    """A plain trainer that can stop in the middle of a send (``tests/gated_trainer.py``)."""
     factory = functools.partial(vm.trainer_model, checkpoint)
-    return pool.add(TrainerActor.options(num_cpus=0).remote(factory, wire_dtype=torch.bfloat16))
+    return pool.add(GatedTrainer.options(num_cpus=0, max_concurrency=2).remote(factory, wire_dtype=torch.bfloat16))
 
 
 def assert_every_rank_holds_its_shard(engine: Any, full: dict[str, torch.Tensor]) -> None:
@@ -127,7 +130,7 @@ def sharded(engine: Any, checkpoint: str, pool: ActorPool) -> list[Any]:
     """Two FSDP2 ranks (gloo) of the engine's model, beside its two TP ranks (one CPU node)."""
     factory = functools.partial(vm.fsdp_trainer_model, checkpoint, 3)
     return [
-        pool.add(Rank.options(num_cpus=0).remote(factory, rank=spec, wire_dtype=torch.bfloat16))
+        pool.add(Rank.options(num_cpus=0, max_concurrency=2).remote(factory, rank=spec, wire_dtype=torch.bfloat16))
         for spec in RankSpec.group(TP)
     ]
 
@@ -201,6 +204,63 @@ def test_a_tp_rank_that_fails_its_receive_leaves_no_rank_on_the_new_version(engi
     assert_every_rank_holds_its_shard(engine, vm.fused(gathered(sharded), torch.bfloat16))
 
 
+def greedy_ids(engine: Any) -> list[list[int]]:
+    outs = get(engine.generate.remote(vm.PROMPTS, vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def staged_round(engine: Any, trainers: list[Any], ws: WeightSync, version: int) -> Any:
+    """Sync ``version`` with every trainer party stopped midway: the engine generates meanwhile,
+    from its old weights; the sync then commits. Returns its report."""
+    old = greedy_ids(engine)
+    sync = Sync(ws, version)
+    assert all(get([t.wait_gated.remote(RAY_TIMEOUT) for t in trainers]))
+    assert greedy_ids(engine) == old, "requests served during the transfer did not come from the old weights"
+    get([t.open_gate.remote() for t in trainers])
+    report = sync.result()
+    assert not isinstance(report, Exception), report
+    (w,) = report.workers
+    assert (w.version, w.state) == (version, "committed")
+    assert w.stage is not None and len(w.stage.part_bytes) == TP and w.stage.generated_tokens
+    assert w.held_off_s is not None and w.stage.swap_s <= w.held_off_s < report.seconds
+    print(report.summary())
+    return report
+
+
+def test_a_staged_tp_engine_generates_while_its_ranks_stage_and_swaps_them_together(
+    engine: Any, trainer: Any, sharded: list[Any]
+) -> None:
+    """``stage_updates(True)`` at TP=2: relayed from one trainer (TP rank 0 hands its stage
+    to rank 1 over the staging group) and fed per rank (``rank-ipc``, each TP rank by its
+    trainer rank), each with every trainer party stopped mid-send while the engine
+    generates from its old weights; then every rank holds its shard of the new weights
+    bit for bit, and prompt log-probs follow the new model."""
+    version = get(engine.ranks.remote())[0].version
+    get(engine.stage_updates.remote(True))
+    try:
+        get(trainer.call.remote(sgd_step, 21))
+        with WeightSync(trainer, {"vllm-tp2": engine}, transport="ipc", timeout_s=120) as ws:
+            specs = len(ws.setup().specs)
+            before = [r.relayed_tensors for r in get(engine.ranks.remote())]
+            get(trainer.gate_at.remote(4))
+            staged_round(engine, [trainer], ws, version + 1)
+        ranks = get(engine.ranks.remote())
+        assert [(r.fed_by, r.relayed_tensors - b) for r, b in zip(ranks, before)] == [("ipc", specs), ("relay", 0)]
+        assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))
+        get([r.call.remote(vm.nudge_shards, 22) for r in sharded])
+        with WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=120) as ws:
+            ws.setup()
+            get([r.gate_at_bucket.remote(1) for r in sharded])
+            staged_round(engine, sharded, ws, version + 2)
+        assert [r.fed_by for r in get(engine.ranks.remote())] == ["rank-ipc"] * TP
+        state = gathered(sharded)
+        assert_every_rank_holds_its_shard(engine, vm.fused(state, torch.bfloat16))
+        model = vm.model_from(state)
+        assert_logprobs_match(engine, lambda ids: vm.prompt_logprobs(model, ids), None)
+    finally:
+        get(engine.stage_updates.remote(False))
+
+
 @pytest.fixture
 def async_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
     """An AsyncLLM engine of 2 TP ranks, for one test (it shares the cores with the other)."""
@@ -218,7 +278,8 @@ def test_an_async_engine_of_two_tp_ranks_syncs_with_requests_in_flight(
     """AsyncLLM at TP=2, requests in flight (paused and resumed): fed per rank by the two
     FSDP2 ranks (``rank-ipc``), then relayed from one trainer; each time every request
     completes, each TP rank holds its shard of the new weights bit for bit and reports the
-    version, and so does the engine."""
+    version, and so does the engine. Then staged (relayed): the engine streams from its
+    old weights while the trainer is stopped mid-send, and both ranks swap together."""
     for version, source, fed_by in ((1, sharded, ["rank-ipc"] * TP), (2, trainer, ["ipc", "relay"])):
         outs, _ = sync_with_requests_in_flight(async_engine, source, version)
         assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [(LONG, "length")] * 3
@@ -227,6 +288,14 @@ def test_an_async_engine_of_two_tp_ranks_syncs_with_requests_in_flight(
         ranks = get(async_engine.ranks.remote())
         assert [(r.version, r.state, r.fed_by) for r in ranks] == [(version, "committed", f) for f in fed_by], ranks
         assert get(async_engine.weight_version.remote()) == str(version)
+    get(async_engine.stage_updates.remote(True))
+    get(trainer.call.remote(sgd_step, 3))
+    with WeightSync(trainer, {"vllm-async": async_engine}, transport="ipc", timeout_s=120) as ws:
+        ws.setup()
+        get(trainer.gate_at.remote(4))
+        staged_round(async_engine, [trainer], ws, 3)
+    assert_every_rank_holds_its_shard(async_engine, get(trainer.call.remote(vm.fused_bf16)))
+    assert get(async_engine.weight_version.remote()) == "3"
     assert_logprobs_match(async_engine, None, trainer)
 
 
@@ -238,23 +307,25 @@ def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(
     process); neither TP rank loaded anything, so the engine stays committed at version 15
     holding exactly its shards; a sync from a whole trainer then goes through."""
     full = vm.fused(gathered(sharded), torch.bfloat16)
+    held = get(engine.ranks.remote())[0].version
     get([r.call.remote(vm.nudge_shards, 16) for r in sharded])
     get(sharded[1].die_at_bucket.remote(2))
     get(engine.stage_updates.remote(True))
     ws = WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60)
     try:
         with pytest.raises(SyncError) as failed:
-            ws.sync(16)
+            ws.sync(held + 1)
     finally:
         get(engine.stage_updates.remote(False))
     err = failed.value
     assert ws.transports() == {"vllm-tp2": "rank-ipc"}
     assert err.culprits == ["trainer-rank-1"] and "trainer-rank-1" in err.dead, str(err)
-    assert err.held["vllm-tp2"] == (15, "committed"), err.held
-    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(15, "committed")] * TP
+    assert err.held["vllm-tp2"] == (held, "committed"), err.held
+    assert [(r.version, r.state) for r in get(engine.ranks.remote())] == [(held, "committed")] * TP
     assert_every_rank_holds_its_shard(engine, full)
+    assert greedy_ids(engine)  # it generates from them
     ws.close()
     get(trainer.call.remote(sgd_step, 17))
     with WeightSync(trainer, {"vllm-tp2": engine}, timeout_s=120) as again:
-        assert again.sync(17).workers[0].state == "committed"
+        assert again.sync(held + 2).workers[0].state == "committed"
     assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))

@@ -109,11 +109,22 @@ def prompt_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:
 def fail_receive_once(worker: Any, tp_rank: int, tensors: int) -> None:
     """On TP rank ``tp_rank`` only: the next sync's receive fails once ``tensors`` tensors
     reached the rank's sink (the rest of the engine receives normally), as a load that
-    fails on one rank would; the sink works again afterwards."""
+    fails on one rank would; the sink works again afterwards. A staging sink receives every
+    tensor into its stage: it fails once the stage holds them all (as it is sealed)."""
     endpoint = worker._weightsync_ep()
     if endpoint.tp_rank != tp_rank:
         return
     sink = endpoint.weightsync_sink
+    if sink.staged:
+        seal = sink.seal
+
+        def failing_seal() -> None:
+            del sink.seal
+            raise RuntimeError(f"TP rank {tp_rank}: staging failed after every tensor (injected by the test)")
+
+        sink.seal = failing_seal
+        del seal
+        return
     consume = sink.consume
     seen = 0
 
@@ -263,6 +274,16 @@ def fail_adapter_receive_once(worker: Any) -> None:
     """The next sync's receive fails on this rank once its first tensors reached the sink
     (as a transfer that breaks midway would); the sink works again afterwards."""
     sink = worker._weightsync_ep()._ws_receiver.sink
+    if sink.staged:  # every tensor lands in the stage: it breaks once they all did
+        seal = sink.seal
+
+        def failing_seal() -> None:
+            del sink.seal
+            raise RuntimeError("the adapter's transfer broke after its last tensor (injected by the test)")
+
+        sink.seal = failing_seal
+        del seal
+        return
     consume = sink.consume
 
     def failing(items: list[tuple[str, torch.Tensor]]) -> None:

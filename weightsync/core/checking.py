@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from weightsync.core.wire.errors import ChecksumMismatch, VerificationError
+from weightsync.core.wire.messages import ReceiveResult
 from weightsync.core.wire.outcome import Outcome
 
 
@@ -98,7 +99,21 @@ def check_destination(
     )
 
 
-def diverging(sent: tuple[Outcome, ...], reference: Outcome | None) -> Outcome:
+def check_commit(
+    worker: str, names: Sequence[str], got: ReceiveResult, mine: Sequence[Outcome], reference: Outcome | None
+) -> None:
+    """A verified commit's checks: every chunk's checksum ``worker`` took (``got``) against
+    those its own senders (``mine``, in rank order) sent, then what its sink holds against
+    ``reference`` (:func:`check_destination`). Raises :class:`ChecksumMismatch`."""
+    expected = [c for o in mine for c in o.value.checksums.get(got.transport, [])]
+    bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
+    if bad or len(got.checksums) != len(expected):
+        which = ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
+        raise ChecksumMismatch(f"{worker}: checksum mismatch ({which}): bytes corrupted in transit")
+    check_destination(worker, names, got.held, _diverging(mine, reference), reference or mine[0])
+
+
+def _diverging(sent: Sequence[Outcome], reference: Outcome | None) -> Outcome:
     """Of the senders serving a worker, the one to blame for bytes that differ from
     ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
     another replica), else the first."""

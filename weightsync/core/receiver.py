@@ -19,27 +19,33 @@ Ray and names no transport: the plug-ins' setup actions install its half (it is 
 from __future__ import annotations
 
 import enum
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from weightsync.core.checking import check_destination, diverging
+from weightsync.core.checking import check_commit
 from weightsync.core.delta.landing import DeltaReceiving, landing_for
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
-from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.wire.casts import TensorCast
-from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
+from weightsync.core.wire.errors import (
+    ChecksumMismatch,
+    ManifestError,
+    PeerAborted,
+    SyncInFlight,
+    VersionError,
+    WeightSyncError,
+)
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
-from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
+from weightsync.core.wire.session import TRAINER_PARTY, Session
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
+from weightsync.core.worker_side import TransportEnd
 
 
 class WorkerState(str, enum.Enum):
@@ -48,8 +54,9 @@ class WorkerState(str, enum.Enum):
     DIRTY = "dirty"  # a sync failed midway; weights are a mix, ``version`` is the last good one
 
 
-class WeightReceiver:
-    """A worker's side: checks the Manifest, receives, and tracks its version and state."""
+class WeightReceiver(TransportEnd):
+    """A worker's side: checks the Manifest, receives, and tracks its version and state
+    (its transport and push-mode listener: :class:`~weightsync.core.worker_side.TransportEnd`)."""
 
     def __init__(
         self,
@@ -66,7 +73,6 @@ class WeightReceiver:
         #: ``adapter_sink`` when set (None: a ModuleSink of a PEFT model takes it, else refused).
         self.model_sink = self.sink
         self.adapter_sink: AdapterSinkFactory | None = None
-        self._device = torch.device(device)
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
         self._session: Session | None = None
@@ -74,13 +80,7 @@ class WeightReceiver:
         self.casts: tuple[TensorCast, ...] = ()
         self.version: int | None = None
         self.state = WorkerState.COMMITTED
-        self.active_half: ReceiveHalf | None = None
-        self._closed_imports = [0, 0]
-        #: Held while a sync writes this worker's weights from a listener thread (push
-        #: mode), and by code reading them; see :meth:`reading`.
-        self.gate = threading.RLock()
-        #: Push mode's listener (see :meth:`listen`), closed with the transports.
-        self.listener: Listening | None = None
+        TransportEnd.__init__(self, device)
         #: The state a sync found (what a staged sync that failed before loading returns
         #: to), and whether the sync's bytes reached the model yet.
         self._before = WorkerState.COMMITTED
@@ -88,8 +88,15 @@ class WeightReceiver:
         #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
         #: when each rank receives on its own); set by the endpoint that makes it.
         self.part = (0, 1)
+        #: A staging sink's commit only marks the sync ready (:attr:`ready`) and the owner
+        #: swaps it in later with :meth:`swap` (an engine, between its generation steps).
+        self.swap_later = False
+        #: The version staged, checked and waiting for :meth:`swap` (None: none).
+        self.ready: int | None = None
+        self._incoming: int | None = None  # the version of the sync received last
         #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
-        #: to), and this sync's header's (new token, whether a delta) until it commits.
+        #: to; always None for a staging sink, whose stage holds no base), and this sync's
+        #: header's (new token, whether a delta) until it commits.
         self.held_token: int | None = None
         self._header: tuple[int | None, bool | None] = (None, None)
 
@@ -113,6 +120,8 @@ class WeightReceiver:
         if local is not None:
             casts = manifest.check_against(local, self.name, bool(getattr(sink, "casts_on_load", False)))
         session = Session(manifest=manifest, party=self.name, server=server, timeout_s=timeout_s)
+        if self.state is WorkerState.RECEIVING:
+            self._fail()  # a new session abandons a sync the last one left in flight
         self.close_transports()
         self.sink = sink
         self._session = session
@@ -159,19 +168,25 @@ class WeightReceiver:
         stale: tuple[str, ...] = ()
         held: list[int] | None = None
         self._header = (None, None)
+        # A staged sync still in flight here (received into the stage, its commit or swap
+        # not done) is never mixed with this one: this one is refused, that one left as it is.
+        in_flight = self.state is WorkerState.RECEIVING and self._stages()
         try:
             half.start(call)
+            if in_flight:
+                raise SyncInFlight(
+                    f"{self.name}: version {call.version}'s sync refused: the sync of version {self._incoming} is "
+                    "still in flight here (received, not yet committed); one sync at a time per worker: wait for "
+                    "it to commit or fail"
+                )
             self._check_version(call)
+            self._incoming = call.version
             if call.verify and not getattr(self.sink, "records_checksums", True):
                 raise WeightSyncError(
                     f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
                     "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
                 )
-            committed = self.state is WorkerState.COMMITTED
-            landing = landing_for(self.sink, self._manifest(), half, self.held_token if committed else None, self.name)
-            checksums, stale = half.receive(landing, call, self._begin)
-            if isinstance(landing, DeltaReceiving) and landing.header is not None:
-                self._header = (landing.header.new_token, landing.took_delta)
+            checksums, stale = self._take(half, call)
             if call.verify and not stale:
                 held = self.sink.checksums(self._manifest())
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
@@ -180,13 +195,14 @@ class WeightReceiver:
             try:
                 abort_each([half], failure)
             finally:  # an interrupt raised by the abort still leaves the worker marked
-                if self.state is WorkerState.RECEIVING:
+                if self.state is WorkerState.RECEIVING and not in_flight:
                     self._fail()
-                else:
+                elif not in_flight:
                     self._discard()
             raise failure
+        swapped = 0.0
         if not stale and half.knows_sender_finished and not call.verify and self.name not in call.chained:
-            self._commit(call.version)
+            swapped = self._commit(call.version)
         return ReceiveResult(
             worker=self.name,
             version=self.version,
@@ -198,7 +214,20 @@ class WeightReceiver:
             held=held,
             delta=self._header[1],
             token=self.held_token or 0,
+            **self._staged_result(swapped),
         )
+
+    def _take(self, half: ReceiveHalf, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
+        """The bytes of ``call`` into the sink (in a delta session through the header's
+        landing, onto the bytes this worker holds); a staging sink's stage sealed."""
+        base = self.held_token if self.state is WorkerState.COMMITTED else None
+        landing = landing_for(self.sink, self._manifest(), half, base, self.name)
+        checksums, stale = half.receive(landing, call, self._begin)
+        if isinstance(landing, DeltaReceiving) and landing.header is not None:
+            self._header = (landing.header.new_token, landing.took_delta)
+        if self._stages() and not stale:
+            self.sink.seal()  # type: ignore[attr-defined]
+        return checksums, stale
 
     def receive_pushed(self, call: SyncCall) -> ReceiveResult:
         """Push mode's receive: no commit call follows, so with ``verify`` the worker commits
@@ -243,27 +272,23 @@ class WeightReceiver:
             return got  # nothing was written: the coordinator exports it again
         if call.verify:
             half = self.active_half
-            mine = tuple(half.own_senders(sent)) if half is not None else sent
-            expected = [c for o in mine for c in o.value.checksums.get(got.transport, [])]
-            bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
-            if bad or len(got.checksums) != len(expected):
-                self._fail()
-                which = (
-                    ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
+            try:
+                check_commit(
+                    self.name, self._manifest().names, got, half.own_senders(sent) if half else sent, reference
                 )
-                raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
-            self._check_held(got.held, diverging(mine, reference), reference or mine[0])
-        self._commit(call.version)
-        token = self.held_token or 0
-        return replace(got, version=self.version, state=self.state.value, checksums=[], held=None, token=token)
-
-    def _check_held(self, held: list[int] | None, sent: Outcome, reference: Outcome) -> None:
-        """Refuse the commit (dirty) unless every tensor the sink holds matches ``reference``."""
-        try:
-            check_destination(self.name, self._manifest().names, held, sent, reference)
-        except ChecksumMismatch:
-            self._fail()
-            raise
+            except ChecksumMismatch:
+                self._fail()
+                raise
+        swapped = self._commit(call.version)
+        return replace(
+            got,
+            version=self.version,
+            state=self.state.value,
+            checksums=[],
+            held=None,
+            token=self.held_token or 0,
+            **self._staged_result(swapped),
+        )
 
     def settle(self) -> tuple[int | None, str]:
         """After a failed sync: a worker still receiving is dirty (its bytes may be a mix);
@@ -282,7 +307,7 @@ class WeightReceiver:
             )
 
     def _stages(self) -> bool:
-        """True when the sink keeps a sync's tensors until it commits (``LoadWeightsSink(staged=True)``)."""
+        """True when the sink keeps a sync's tensors until it commits (a staging sink)."""
         return bool(getattr(self.sink, "staged", False))
 
     def _begin(self) -> None:
@@ -293,20 +318,54 @@ class WeightReceiver:
         self._touched = not self._stages()
         self.state = WorkerState.RECEIVING
 
-    def _commit(self, version: int) -> None:
+    def _commit(self, version: int) -> float:
+        """Take ``version``; returns the seconds a staging sink's swap held the gate (0 when
+        it does not stage, or swaps later: see :attr:`swap_later`)."""
         if self._stages():
-            self._touched = True
-            self.state = WorkerState.RECEIVING
-            try:
-                self.sink.land()  # type: ignore[attr-defined]
-            except BaseException:
-                self.state = WorkerState.DIRTY
-                raise
+            self.held_token = None  # a stage is released after its swap: nothing to patch next time
+            if self.swap_later:
+                self.ready = version
+                return 0.0
+            return self._swap(version)
         self.version = version
         self.state = WorkerState.COMMITTED
         self.held_token = self._header[0]
+        return 0.0
+
+    def swap(self) -> float:
+        """Swap in the staged sync that committed with :attr:`swap_later` (an engine does it
+        between its generation steps); returns the seconds it took."""
+        version, self.ready = self.ready, None
+        if version is None:
+            raise WeightSyncError(f"{self.name}: no staged sync waits for its swap")
+        return self._swap(version)
+
+    def _swap(self, version: int) -> float:
+        """Land the stage under the gate (readers wait only for this); a load that fails
+        midway leaves the worker dirty."""
+        self._touched = True
+        self.state = WorkerState.RECEIVING
+        try:
+            with self.gate:
+                start = time.perf_counter()
+                self.sink.land()  # type: ignore[attr-defined]
+                held = time.perf_counter() - start
+        except BaseException:
+            self.state = WorkerState.DIRTY
+            raise
+        self.version = version
+        self.state = WorkerState.COMMITTED
+        return held
+
+    def _staged_result(self, swapped: float) -> dict[str, Any]:
+        """A staging worker's fields of its ReceiveResult: its stage, and the time the swap
+        held readers off when it swapped in this call."""
+        staging = getattr(self.sink, "staging", None) if self._stages() else None
+        stage = staging.report() if staging is not None else None
+        return {"stage": stage, "held_off_s": swapped if swapped else None}
 
     def _discard(self) -> None:
+        self.ready = None
         if self._stages():
             self.sink.discard()  # type: ignore[attr-defined]
 
@@ -328,69 +387,3 @@ class WeightReceiver:
     def checksums(self) -> list[int] | None:
         """Per tensor, the checksum of what this worker holds (module sinks) or last received."""
         return self.sink.checksums(self._manifest())
-
-    # transports (the plug-ins' WorkerSide) ---------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @device.setter
-    def device(self, device: torch.device | str) -> None:
-        self._device = torch.device(device)
-
-    def half(self, kind: str) -> ReceiveHalf | None:
-        return self.active_half if self.active_half is not None and self.active_half.kind == kind else None
-
-    def install(self, half: ReceiveHalf) -> None:
-        """Make ``half`` this worker's transport (a worker has one), closing the one it had."""
-        if self.active_half is not half:
-            self.close_transports()
-        self.active_half = half
-
-    def listen(self, start: Callable[[], Listening]) -> Listening:
-        """Push mode: stop the listener this worker had, then keep the one ``start`` makes
-        (a thread that runs :meth:`receive_pushed` when its server rings: no Ray call per
-        sync) until the transports close; returns it."""
-        if self.active_half is None:
-            raise WeightSyncError(f"{self.name}: push mode needs an open transport to listen on; run setup()")
-        self._stop_listener()
-        self.listener = start()
-        return self.listener
-
-    def reading(self) -> threading.RLock:
-        """Hold this (``with receiver.reading():``) while reading the weights: a pushed sync
-        waits for the holder, and nobody reads while a sync writes."""
-        return self.gate
-
-    def _stop_listener(self) -> bool:
-        listener, self.listener = self.listener, None
-        if listener is None:
-            return True
-        listener.stop()
-        if listener.busy and self.active_half is not None:
-            # A sync in flight stops at once instead of at its deadline.
-            self.active_half.tear_down(f"{self.name}'s teardown")
-        timeout_s = self._session.timeout_s if self._session is not None else DEFAULT_TIMEOUT_S
-        return listener.close(Deadlines(timeout_s).coordinator_s)
-
-    def ipc_import_counts(self) -> tuple[int, int]:
-        """(mappings made, mappings released) by this worker's IPC importers, all sessions."""
-        maps, releases = self._closed_imports
-        if self.active_half is not None:
-            made, released = self.active_half.mappings()
-            maps, releases = maps + made, releases + released
-        return maps, releases
-
-    def close_transports(self, abort: bool = False) -> None:
-        if not self._stop_listener():
-            # Its thread still runs inside receive(): leave it the mappings it reads.
-            self.active_half = None
-            return
-        half, self.active_half = self.active_half, None
-        self._discard()
-        if half is None:
-            return
-        half.close(abort)
-        made, released = half.mappings()
-        self._closed_imports[0] += made
-        self._closed_imports[1] += released

@@ -6,11 +6,17 @@
 * :class:`LoadWeightsSink` hands ``(name, tensor)`` lists to a ``load_weights`` callable,
   the convention of inference engines (vLLM's ``model.load_weights``), which rename, fuse
   and shard as they load.
+
+Either can stage (``ModuleSink(stage=...)``, ``LoadWeightsSink(staged=True)``): a sync is
+received into a stage (:mod:`weightsync.core.stage`) and swapped in at its commit with one
+copy (``land``), so the model keeps its version until then and a failed sync never reaches
+it. A staging sink has ``staged`` True and ``seal()`` / ``land()`` / ``discard()``, which
+the receiver calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -18,10 +24,11 @@ from torch import nn
 
 from weightsync.core.delta.apply import apply_delta
 from weightsync.core.delta.encoding import Kind
-from weightsync.core.delta.wire_copy import WireCopy
 from weightsync.core.halves import Landing
-from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
-from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
+from weightsync.core.load_weights_sink import LoadWeightsSink
+from weightsync.core.packing import tensor_checksums
+from weightsync.core.stage import CopyPlans, Staging, copy_in, one_device
+from weightsync.core.wire.errors import ManifestError, ModelChangedError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
 
@@ -137,6 +144,13 @@ class ModuleSink:
     """Copies received tensors into ``module``'s parameters and buffers by name.
 
     ``verify`` checks the parameters and buffers themselves, read back after the sync.
+
+    ``stage`` ("auto", "device" or "host"; None: off): receive each sync into a stage and
+    copy it into the module's tensors only at the commit (:meth:`land`, one copy), so code
+    reading the module under the receiver's gate (``WorkerMixin.weightsync_reading()``)
+    keeps reading the last version while the next one arrives, and waits only for that
+    copy. ``keep_stage`` keeps the stage allocated between syncs. A staging sink takes no
+    ``direct`` writes (they would write the module itself).
     """
 
     keeps_references = False
@@ -145,8 +159,14 @@ class ModuleSink:
     #: there from the trainer): a dtype difference cannot be cast.
     casts_on_load = False
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, stage: str | None = None, keep_stage: bool = False) -> None:
         self.module = module
+        # A module's checksums are read from it (or its pending stage) when asked: none kept.
+        self.staging = Staging(stage, keep_stage, record=False) if stage is not None else None
+        self._plans = CopyPlans()  # the swap's copies, in one kernel launch on a GPU
+        self.staged = self.staging is not None
+        #: The trainer may write the module itself (``direct``) only when it does not stage.
+        self.allows_direct = not self.staged
         self._by_name: dict[str, torch.Tensor] = {}
         self._order: list[torch.Tensor] = []
         self._paths: TensorPaths | None = None  # how _order was reached, for direct syncs
@@ -186,6 +206,8 @@ class ModuleSink:
             self._held_paths, self._held_for = TensorPaths(self.module, manifest.names), manifest
         self._order = [self._by_name[spec.name] for spec in manifest.specs]
         _check_held(manifest, self._order)
+        if self.staging is not None:
+            return list(self.staging.open(manifest, one_device(self._order)))
         return [t.data if t.is_contiguous() else None for t in self._order]
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -204,9 +226,34 @@ class ModuleSink:
         into or patched (after :meth:`destinations` of this sync)."""
         return self._order[index].data
 
-    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
+    def seal(self) -> None:
+        assert self.staging is not None, "seal() is a staging sink's"
+        self.staging.seal()
+
+    def land(self) -> None:
+        """Copy the staged sync into the module's tensors (the swap), then release the stage.
+        Refuses, before copying anything, a module whose tensors were replaced meanwhile."""
+        assert self.staging is not None, "land() is a staging sink's"
+        try:
+            paths = self._held_paths
+            if paths is None or not paths.unchanged():
+                raise ModelChangedError(
+                    "the module's tensors were replaced while a staged sync arrived; run setup() again"
+                )
+            self.staging.swap_s = copy_in(self._order, [v for _, v in self.staging.items()], self._plans)
+        finally:
+            self.staging.release()
+
+    def discard(self) -> None:
+        if self.staging is not None:
+            self.staging.release()
+
+    def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor] | None:
         """The held tensors themselves, in manifest order (the direct transport reads their
-        data pointers and shapes, copies from them under no_grad, and rebinds them)."""
+        data pointers and shapes, copies from them under no_grad, and rebinds them); None
+        for a staging sink."""
+        if self.staging is not None:
+            return None
         if self._paths is None or not self._paths.unchanged():
             held = self.held()
             self._order = [held[spec.name] for spec in manifest.specs]
@@ -217,6 +264,10 @@ class ModuleSink:
         self._order[index].data = tensor
 
     def checksums(self, manifest: Manifest) -> list[int]:
+        """What the module holds, or with a staged sync waiting for its swap, what it will hold."""
+        staged = self.staging.checksums() if self.staging is not None else None
+        if staged is not None:
+            return staged
         held = self.held()
         missing = [spec.name for spec in manifest.specs if spec.name not in held]
         if missing:
@@ -224,170 +275,4 @@ class ModuleSink:
         return tensor_checksums([held[spec.name] for spec in manifest.specs])
 
 
-class LoadWeightsSink:
-    """Hands each chunk's tensors to ``load_weights(iterable of (name, tensor))``.
-
-    ``copies_immediately=True`` (the engines' behaviour: each weight is copied into the
-    engine's own parameter inside the call) passes views into the receive buffer, which
-    saves a copy; pass False for a loader that keeps references (for instance one that
-    buffers tensors to replay later), and it gets clones instead. ``expected_specs``, when
-    given, is checked against the trainer's manifest in the handshake.
-
-    It records a checksum of every tensor it is handed (computed where the tensor lives,
-    read back only when asked), so ``sync(verify=True)`` and ``WeightSync.verify`` can
-    compare the bytes this worker received with the trainer's. What they check is the bytes
-    handed to ``load_weights``, not the engine's parameters after it renamed, fused or
-    sharded them (weightsync cannot see those). ``record_checksums=False`` skips that read
-    of every byte, and a sync with ``verify`` is then refused.
-
-    ``load_weights`` must copy each tensor into its own (with ``copy_``, as vLLM's loaders
-    do), which casts: ``expected_specs`` may name a floating dtype other than the wire's,
-    and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
-    are of the bytes handed over, in the wire's dtype.
-
-    In a delta session (``SyncSettings(delta=True)``) the sink keeps its own copy of the
-    wire bytes it was handed (``keep_base``, which the receiver calls at setup), applies
-    each delta to that copy and loads the whole rebuilt tensor: a ``load_weights`` renames,
-    fuses and shards on load, so only a tensor in the checkpoint's coordinates can take the
-    changed elements, and only the worker's own copy holds the unchanged ones. It costs a
-    copy of the model's wire bytes on the worker's device. ``reload_all``: in a delta sync,
-    load the unchanged tensors too (from that copy), for a loader that must see every
-    tensor of a layer to rebuild it (vLLM's layerwise reload leaves a layer it was given
-    part of half built); without it only the changed tensors are loaded.
-
-    ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
-    commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
-    rank dying or a transfer timing out, never reaches the model: the worker keeps serving
-    its last version, committed. It costs a second copy of the model's bytes on the
-    worker's device while a sync is in flight; without it a failed sync leaves a loaded
-    model part old, part new (dirty) until the next sync.
-    """
-
-    casts_on_load = True
-
-    def __init__(
-        self,
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
-        copies_immediately: bool = True,
-        expected_specs: Sequence[TensorSpec] | None = None,
-        record_checksums: bool = True,
-        staged: bool = False,
-        reload_all: bool = False,
-    ) -> None:
-        self._load_weights = load_weights
-        self.reload_all = reload_all
-        #: Delta sessions: the wire bytes last handed over (None: not kept).
-        self._copy: WireCopy | None = None
-        self._copies = copies_immediately
-        self._expected = list(expected_specs) if expected_specs is not None else None
-        self._record = record_checksums
-        self._received: dict[str, torch.Tensor] = {}
-        self._staged: list[tuple[str, torch.Tensor]] = []
-        #: Checksums of the staged tensors: what the sink will hold once they land.
-        self._staged_sums: dict[str, torch.Tensor] = {}
-        self.staged = False
-        self.set_staged(staged)
-
-    def set_staged(self, staged: bool) -> None:
-        """Stage whole syncs (see the class doc) from the next sync on; refused while a
-        sync's tensors wait to land (between a receive and its commit)."""
-        if not isinstance(staged, bool):
-            raise TypeError(f"staged must be True or False, got {staged!r}")
-        if self._staged:
-            raise WeightSyncError(
-                f"staged={staged}: {len(self._staged)} tensor(s) of a sync wait for its commit; change staging "
-                "between syncs, not during one"
-            )
-        self.staged = staged
-        self.keeps_references = not self._copies or staged
-
-    def land(self) -> None:
-        """Load what a staged sync kept (the receiver calls it as the sync commits)."""
-        items, self._staged = self._staged, []
-        sums, self._staged_sums = self._staged_sums, {}
-        if items:
-            with torch.no_grad():
-                self._load_weights(iter(items))
-        self._received.update(sums)
-
-    def discard(self) -> None:
-        """Drop what a staged sync kept: it failed, the model was never touched."""
-        self._staged, self._staged_sums = [], {}
-
-    @property
-    def records_checksums(self) -> bool:
-        return self._record
-
-    def local_specs(self) -> list[TensorSpec] | None:
-        return self._expected
-
-    def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
-        return [None] * len(manifest.specs)
-
-    def keep_base(self, keep: bool) -> None:
-        """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session; one
-        already kept stays, with what the worker holds), or drop it."""
-        self._copy = (self._copy or WireCopy()) if keep else None
-
-    def _wire_copy(self, what: str) -> WireCopy:
-        if self._copy is None:
-            raise WeightSyncError(f"{what} reached a load_weights sink that keeps no copy of the wire bytes; a bug")
-        return self._copy
-
-    def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
-        """A delta sync: the changed elements into this sink's copy of ``spec``'s bytes, then
-        the whole tensor loaded (see the class doc)."""
-        self._hand([(spec.name, self._wire_copy(f"a delta for {spec.name!r}").patched(spec, kind, count, payload))])
-
-    def delta_done(self, manifest: Manifest, kinds: Sequence[tuple[Kind, int]]) -> None:
-        """After a delta sync's payloads: with ``reload_all``, load the unchanged tensors too."""
-        if self.reload_all and self._copy is not None:
-            self._hand(self._copy.unchanged(manifest, kinds))
-
-    def rows_target(self, index: int, spec: TensorSpec, device: torch.device) -> torch.Tensor:
-        """Owner sends in a delta session: where pieces of ``spec``'s tensor are written or
-        patched (this sink's copy), handed over by :meth:`hand_rows` once all arrived."""
-        return self._wire_copy(f"rows of {spec.name!r}").rows_target(spec, device)
-
-    def hand_rows(self, manifest: Manifest, indices: Sequence[int]) -> None:
-        """Load the tensors ``indices`` (every rank's pieces of them landed in the copy); with
-        ``reload_all`` every other tensor too."""
-        copy = self._wire_copy("owner sends")
-        chosen = set(indices) if not self.reload_all else range(len(manifest.specs))
-        self._hand([(s.name, copy.tensors[s.name]) for i, s in enumerate(manifest.specs) if i in chosen])
-
-    def _hand(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Load tensors of this sink's own copy: cloned for a loader that keeps them (the
-        copy changes with the next delta)."""
-        if items:
-            self._take([(n, t.clone()) for n, t in items] if self.keeps_references else items)
-
-    def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        if self._copy is not None:
-            self._copy.keep(items)
-        self._take(items)
-
-    def _take(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            if self._record:
-                sums = self._staged_sums if self.staged else self._received
-                for name, tensor in items:
-                    sums[name] = word_sum(tensor)
-            if self.staged:
-                self._staged.extend(items)
-            else:
-                self._load_weights(iter(items))
-
-    def checksums(self, manifest: Manifest) -> list[int] | None:
-        """What the sink holds, or with a staged sync waiting for its commit, what it will
-        hold once that lands (what a verified commit checks first)."""
-        sums = {**self._received, **self._staged_sums}
-        if not self._record or any(spec.name not in sums for spec in manifest.specs):
-            return None
-        return read_checksums([sums[spec.name] for spec in manifest.specs])
-
-    def direct_tensors(self, manifest: Manifest) -> None:
-        return None
-
-    def rebind(self, index: int, tensor: torch.Tensor) -> None:
-        raise TypeError("LoadWeightsSink transforms tensors on load; it cannot take direct writes")
+__all__ = ["LoadWeightsSink", "ModuleSink", "Sink", "TensorPaths", "module_tensors"]

@@ -34,7 +34,7 @@ import ray
 import torch
 from torch import nn
 
-from weightsync.core.sinks import LoadWeightsSink
+from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
 from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import SettingsError
 from weightsync.glue.protocol import resolve_device
@@ -103,7 +103,14 @@ class WorkerHost(_ModelHost, WorkerMixin):
     """The class behind :data:`WorkerActor` (subclass it, then ``ray.remote``, to add
     methods). Holds an inference copy. ``sink="load_weights"`` loads through the model's
     ``load_weights`` method; ``expect_buffer_bytes``/``expect_num_buffers`` pin the buffer
-    settings this worker accepts."""
+    settings this worker accepts.
+
+    ``stage`` ("auto", "device" or "host"; default None, off): receive each sync into a
+    stage and swap it into the model at the commit with one copy (``weightsync.core.stage``),
+    so :meth:`call` keeps reading the last version while the next one arrives and waits
+    only for the swap. Give the actor a second thread for that
+    (``WorkerActor.options(max_concurrency=2)``): its calls then run while a sync's
+    ``ws_receive`` runs. ``keep_stage`` keeps the stage allocated between syncs."""
 
     def __init__(
         self,
@@ -113,17 +120,25 @@ class WorkerHost(_ModelHost, WorkerMixin):
         expect_buffer_bytes: int | None = None,
         expect_num_buffers: int | None = None,
         expect_inplace_bytes: int | None = None,
+        stage: str | None = None,
+        keep_stage: bool = False,
     ) -> None:
         super().__init__(model_factory, device)
         self.expect_buffer_bytes = expect_buffer_bytes
         self.expect_num_buffers = expect_num_buffers
         self.expect_inplace_bytes = expect_inplace_bytes
+        self.weightsync_sink: Sink | None = None
         if sink == "load_weights":
             load = getattr(self.model, "load_weights", None)
             if load is None:
                 raise SettingsError("sink='load_weights' needs a model with a load_weights method")
-            self.weightsync_sink = LoadWeightsSink(load)
-        elif sink != "module":
+            self.weightsync_sink = LoadWeightsSink(
+                load, staged=stage is not None, stage=stage or "auto", keep_stage=keep_stage, device=self.device
+            )
+        elif sink == "module":
+            if stage is not None:
+                self.weightsync_sink = ModuleSink(self.model, stage=stage, keep_stage=keep_stage)
+        else:
             raise SettingsError(f"sink must be 'module' or 'load_weights', got {sink!r}")
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

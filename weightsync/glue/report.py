@@ -37,6 +37,7 @@ def build_report(
                 state=r.state,
                 seconds=r.seconds,
                 held_off_s=r.held_off_s,
+                stage=r.stage,
                 casts=count_casts(m.casts),
                 encoding="" if r.delta is None else ("delta" if r.delta else "dense"),
                 sent_bytes=sent.sent_bytes.get(m.transport, manifest.total_bytes),

@@ -20,7 +20,7 @@ from torch import nn
 
 from weightsync.core.plugin import Plugin
 from weightsync.core.receiver import WeightReceiver
-from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
+from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, SyncCall
@@ -69,7 +69,8 @@ class WorkerMixin:
         sink = getattr(self, "weightsync_sink", None)
 
         def where() -> EndpointInfo:
-            info = describe(self.weightsync_device(), not isinstance(sink, LoadWeightsSink))
+            # A sink that transforms on load, or stages, takes no direct writes into the model.
+            info = describe(self.weightsync_device(), bool(getattr(sink, "allows_direct", True)))
             return dataclasses.replace(info, stages=bool(getattr(sink, "staged", False)))
 
         return answer(self._me(), "describe", where)
@@ -94,7 +95,19 @@ class WorkerMixin:
 
     @contextlib.contextmanager
     def weightsync_reading(self) -> Iterator[None]:
-        """Hold while reading the weights in push mode: a sync never writes meanwhile."""
+        """Hold while reading the weights: a sync never writes them meanwhile.
+
+        In push mode a listener thread writes the weights; with a staging sink
+        (``ModuleSink(model, stage="auto")``) a sync writes only its stage, and its commit
+        swaps the stage in under this same hold, so a reader waits only for that one copy.
+        A staging actor's call order, with a second thread for its own calls (Ray's
+        ``max_concurrency=2``)::
+
+            thread 1 (the coordinator)       thread 2 (your generation)
+            ws_receive: bytes -> stage       with self.weightsync_reading(): generate(...)  # version N
+            (ws_commit): swap, one copy      ...waits for the swap...
+                                             with self.weightsync_reading(): generate(...)  # version N+1
+        """
         with self._wr().reading():
             yield
 

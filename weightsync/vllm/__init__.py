@@ -4,6 +4,8 @@
   keyword arguments that is a worker for :class:`weightsync.WeightSync`.
 * :class:`AsyncVLLMWorker` (``weightsync.vllm.async_engine``): the same around vLLM's
   ``AsyncLLM``; a sync pauses generation (``pause_mode`` "keep", "wait" or "abort") and resumes it.
+* either with ``stage_updates=True``: generation goes on while a sync streams in, and is held
+  off only for the swap (``weightsync.vllm.staging``).
 * :class:`ServerWorker` (``weightsync.vllm.server``): a running vLLM OpenAI-compatible
   server, fed through its RL routes (``VLLM_SERVER_DEV_MODE=1``) and the native backend;
   :class:`LocalServer` (``weightsync.vllm.local_server``) starts one on this machine.

@@ -27,6 +27,10 @@ broadcast or with verify), then ``resume_generation()``; new requests queue mean
   requests) and the sync's wall time include that drain, bounded by ``timeout_s``.
 * ``pause_mode="abort"``: in-flight requests end at once (``finish_reason="abort"``).
 
+With ``stage_updates=True`` the engine stages each sync: every TP rank receives it into a
+stage on a thread of its own while requests stream on, and the pause (``pause_mode``)
+covers only the swap between two steps (``staging.py``, ``async_hold.py``).
+
 Outputs generated entirely after a sync come from its weights, and the engine reports its
 version (``weight_version()``; vLLM's ``update_weight_version`` before resuming). The
 seconds from pause to resume go back with the sync's answer
@@ -41,24 +45,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
-from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync import TensorSpec
+from weightsync.core.stage import check_place
 from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL
+from weightsync.vllm.async_hold import AsyncHolding
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import PAUSE_MODES, HoldRecord, SyncHold, check_pause_mode, with_held_off
-from weightsync.vllm.parts import PartRouting, State, answer
+from weightsync.vllm.parts import PartRouting, answer
+from weightsync.vllm.requests import Requests
 from weightsync.vllm.served import SYNCED, AsyncAdapterReport, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
+from weightsync.vllm.staging import STAGED_CALLS, Stager
 
 log = logging.getLogger("weightsync")
 
@@ -83,7 +90,7 @@ def forward_worker_protocol_async(cls: type) -> type:
 
 
 @forward_worker_protocol_async
-class _AsyncVLLMWorker(AsyncAdapterReport):
+class _AsyncVLLMWorker(AsyncHolding, AsyncAdapterReport):
     def __init__(
         self,
         *,
@@ -94,6 +101,8 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         check_model: bool = True,
         env: dict[str, str] | None = None,
         stage_updates: bool = False,
+        stage: str = "auto",
+        keep_stage: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         if timeout_s <= 0:
@@ -117,7 +126,8 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         # One coordinator call, engine start or shutdown at a time (generate only takes it
         # to start the engine: requests run concurrently with everything).
         self._lock = asyncio.Lock()
-        self._requests: dict[str, asyncio.Task[Any]] = {}
+        self._stager = Stager(name, self.timeout_s, check_place(stage), keep_stage)
+        self._requests = Requests(name, self.timeout_s, self._stager.count)
         self._routing = PartRouting(1)
         self._version: int | None = None  # the version last given to vLLM
         self._served = ServedAdapter(name)
@@ -153,10 +163,10 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
             specs = self._specs
             if specs is None and self._check_model:
                 specs = tuple(engine_specs(self.name, self._llm.vllm_config))
-            setup = self._replies(
-                await self._rpc("weightsync_setup", (encode_setup(SetupInfo(self.name, specs, self._stage_updates)),)),
-                "setup",
-            )
+            info = SetupInfo(self.name, specs, self._stager.setup(self._stage_updates))
+            self._stager.expect(self._llm.vllm_config.parallel_config.world_size)
+            setup = self._replies(await self._rpc("weightsync_setup", (encode_setup(info),)), "setup")
+            await asyncio.to_thread(self._stager.connected)
             self._routing = PartRouting(len(setup))
         except BaseException as exc:
             # An engine whose workers have no endpoint could serve but never sync: stop it.
@@ -169,6 +179,7 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
                     "weightsync: %s: stopping the engine after a failed setup failed too", self.name, exc_info=stop
                 )
             finally:
+                self._stager.close()
                 self._sockets.release()
             raise
         return self._llm
@@ -218,6 +229,8 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
     # the coordinator's protocol ---------------------------------------------------------------
     async def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         async with self._lock:
+            if self._stage_updates and method in STAGED_CALLS:
+                return await self._forward_staged(method, args, kwargs)
             try:
                 llm = await self._started()  # inside: an unusable engine still ends an open hold
                 # After the start: how many TP ranks there are decides the routing.
@@ -225,14 +238,12 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
                 payload = encode_call(Call(method, args, kwargs, every_rank=every))
                 if self._hold.begins(method):
                     self._hold.start(in_flight=llm.get_num_unfinished_requests())
-                    pause = llm.pause_generation(mode=self._hold.mode, clear_cache=True)
-                    slow = "pause_mode='wait' waits for every request in flight; use 'keep' or raise timeout_s"
-                    await self._bounded(f"pause_generation(mode={self._hold.mode!r})", pause, slow)
-                    self._hold.paused()
+                    await self._pause()
                 try:
                     replies = self._replies(await self._rpc("weightsync_call", (payload,)), method)
                 finally:
                     self._routing.forwarded(method, every)
+                    self._stager.forwarded(method)
                 value, state = answer(method, replies, every, self.name)
                 self._served.forwarded(method, args, value, state)
                 await self._after(state)
@@ -247,27 +258,6 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
             if self._hold.ends(method, state):
                 value = with_held_off(value, await self._resume(state[1] if state else "unknown", method))
             return value
-
-    async def _after(self, reply_state: State | None) -> None:
-        """A newly committed version goes to vLLM before generation resumes (every call
-        reports the receiver's state: only a commit that changed the version counts)."""
-        if reply_state is None:
-            return
-        version, state = reply_state
-        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
-            await self._bounded("update_weight_version", self._llm.update_weight_version(str(version)))
-            self._version = version
-
-    async def _resume(self, state: str, method: str) -> float:
-        """Resume generation if a hold is open, recorded as ended by ``method``; returns its
-        seconds (pause to resume)."""
-        if not self._hold.open:
-            return 0.0
-        try:
-            await self._bounded("resume_generation", self._llm.resume_generation())
-        finally:
-            seconds = self._hold.stop(state, method)
-        return seconds
 
     # for users ------------------------------------------------------------------------------
     async def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> list[Any]:
@@ -288,48 +278,14 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
             raise EngineCallError(f"{self.name}: the vLLM engine is unusable ({self._broken})")
         params = sampling_params if sampling_params is not None else SamplingParams()
         adapter = self._served.request(lora_request)
-        ids, firsts = [], []
-        for prompt in [prompts] if isinstance(prompts, str) else list(prompts):
-            request_id = f"weightsync-{uuid.uuid4().hex}"
-            first = asyncio.Event()
-            self._requests[request_id] = asyncio.create_task(self._run(llm, prompt, params, request_id, first, adapter))
-            ids.append(request_id)
-            firsts.append(first)
-        if wait_first:
-            try:
-                # set at the first output, or when the request ends without one
-                await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), self.timeout_s)
-            except asyncio.TimeoutError:
-                # The caller gets no ids to collect or cancel them by: they end here.
-                for request_id in ids:
-                    self._requests.pop(request_id).cancel()
-                raise EngineCallError(
-                    f"{self.name}: {len(ids)} request(s) had no first output within timeout_s={self.timeout_s:.0f}s "
-                    "(a sync holding generation that long?); they were cancelled"
-                ) from None
-        return ids
-
-    @staticmethod
-    async def _run(llm: Any, prompt: Any, params: Any, request_id: str, first: asyncio.Event, adapter: Any) -> Any:
-        final = None
-        try:
-            async for out in llm.generate(prompt, params, request_id, lora_request=adapter):
-                final = out
-                first.set()
-        finally:
-            first.set()
-        return final
+        return await self._requests.submit(llm, prompts, params, wait_first, EngineCallError, adapter)
 
     async def collect(self, request_ids: Sequence[str]) -> list[Any]:
         """The final ``RequestOutput`` of each request :meth:`submit` started, in order."""
-        unknown = [i for i in request_ids if i not in self._requests]
-        if unknown:
-            raise WeightSyncError(f"{self.name}: no submitted request has id(s) {unknown}; collect each once")
-        tasks = [self._requests.pop(i) for i in request_ids]
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*tasks), self.timeout_s))
+            return await self._requests.collect(request_ids)
         except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
             self._broken = self._broken or died("generate", exc)
             raise EngineCallError(f"{self.name}: {self._broken}") from exc
@@ -346,14 +302,23 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(await self._rpc("weightsync_call", (payload,)), label)]
 
-    async def stage_updates(self, staged: bool) -> None:
+    async def stage_updates(self, staged: bool, stage: str | None = None, keep_stage: bool | None = None) -> None:
         """As :meth:`VLLMWorker.stage_updates <weightsync.vllm.VLLMWorker.stage_updates>`:
-        keep each sync's tensors on every TP rank until it commits (True) or load them as
-        they arrive (False), from the next sync on."""
+        stage each sync while generation goes on and pause only for the swap (True), or
+        load as the bytes arrive, paused for the whole sync (False), from the next sync on."""
         async with self._lock:
-            await self._started()
+            llm = await self._started()
             self._routing.refuse_staging_change(self.name, staged, self._stage_updates)
-            self._replies(await self._rpc("weightsync_stage", (staged,)), "stage_updates")
+            self._stager.stage = check_place(stage) if stage is not None else self._stager.stage
+            self._stager.keep_stage = keep_stage if keep_stage is not None else self._stager.keep_stage
+            setup = self._stager.setup(staged)
+            self._stager.expect(llm.vllm_config.parallel_config.world_size)
+            try:
+                self._replies(await self._rpc("weightsync_stage", (encode_setup(setup),)), "stage_updates")
+                await asyncio.to_thread(self._stager.connected)
+            except BaseException:
+                self._stager.failed()
+                raise
             self._stage_updates = staged
 
     async def ranks(self) -> list[RankInfo]:
@@ -375,8 +340,8 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         in progress ends first (within ``timeout_s``)."""
         async with self._lock:
             self._broken = self._broken or "shut down"
-            for task in self._requests.values():
-                task.cancel()
+            self._requests.cancel()
+            self._stager.close()
             try:
                 if self._llm is not None:
                     self._llm.shutdown()

@@ -26,6 +26,7 @@ from typing import Any
 import cloudpickle
 
 from weightsync import WeightSyncError
+from weightsync.core.wire.report import StageReport
 
 
 class RemoteCallError(WeightSyncError):
@@ -70,6 +71,10 @@ class Reply:
 
     ``state`` carries the rank's receiver state after the call (version, state name), so
     the engine actor can report the weight version and reset caches without asking again.
+    A staged call's reply also says whether this rank's stage holds a sync waiting for its
+    swap (``staged``), the version its receiver checked and marked ready for the swap
+    (``ready``; None on a rank without a receiver of its own, or before the commit), and
+    where its stage lives (``stage``).
     """
 
     ok: bool
@@ -78,6 +83,9 @@ class Reply:
     message: str = ""
     remote_traceback: str = ""
     state: tuple[int | None, str] | None = None
+    staged: bool = False
+    ready: int | None = None
+    stage: StageReport | None = None
 
     def __post_init__(self) -> None:
         if not self.ok and not self.error_type:

@@ -30,6 +30,12 @@ uses unless told otherwise (:mod:`weightsync.vllm.served`; :meth:`adapter` repor
 version). For vLLM's ``AsyncLLM``, which pauses and resumes generation instead,
 see :class:`~weightsync.vllm.AsyncVLLMWorker`.
 
+With ``stage_updates=True`` (``stage=``, ``keep_stage=``; or :meth:`stage_updates`) the
+engine stages each sync instead: every TP rank receives it into a stage on a thread of its
+own while ``generate`` calls go on (``staging.py``), and generation is held off only for the
+swap between two steps (``blocking.py``); a sync that fails before its swap never touches
+the model.
+
 Every call into the engine is bounded by ``timeout_s``: one that does not answer, or an
 engine that died, raises :class:`EngineCallError` naming the worker and the call, and the
 actor refuses further calls with the same cause (vLLM cannot recover a dead engine).
@@ -51,18 +57,21 @@ from typing import Any
 
 import ray
 
-from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync import TensorSpec, WeightSyncError
+from weightsync.core.stage import check_place
 from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
+from weightsync.vllm.blocking import Blocking
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
 from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
-from weightsync.vllm.parts import PartRouting, State, answer
+from weightsync.vllm.parts import PartRouting, answer
 from weightsync.vllm.plugin import BACKEND
 from weightsync.vllm.served import SYNCED, AdapterInfo, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
+from weightsync.vllm.staging import STAGED_CALLS, Stager
 
 EXTENSION = "weightsync.vllm.WorkerExtension"
 
@@ -72,7 +81,7 @@ class EngineCallError(WeightSyncError):
 
 
 @forward_worker_protocol
-class _VLLMWorker:
+class _VLLMWorker(Blocking):
     def __init__(
         self,
         *,
@@ -83,6 +92,8 @@ class _VLLMWorker:
         check_model: bool = True,
         env: dict[str, str] | None = None,
         stage_updates: bool = False,
+        stage: str = "auto",
+        keep_stage: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         if timeout_s <= 0:
@@ -114,6 +125,8 @@ class _VLLMWorker:
         self._version: int | None = None
         self._rank_pids: list[int] = []
         self._staged = stage_updates
+        self._stager = Stager(name, self.timeout_s, check_place(stage), keep_stage)
+        self._swap_wanted = False  # a staged sync waits for the running generate to end
         self._routing = PartRouting(1)
         self._served = ServedAdapter(name)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
@@ -126,19 +139,23 @@ class _VLLMWorker:
     def _start(
         self, llm_kwargs: dict[str, Any], expected_specs: Sequence[TensorSpec] | None, check_model: bool
     ) -> None:
-        """Start the engine, then set weightsync up in each of its ranks (and the native
-        backend), with the specs a manifest is checked against (see the actor's arguments)."""
+        """Start the engine, then set weightsync up in each of its ranks (and, staging, its
+        line and staging group; then the native backend), with the specs a manifest is
+        checked against (see the actor's arguments)."""
         from vllm import LLM
 
         try:
             self.llm = LLM(**llm_kwargs)
         except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
             raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
+        config = self.llm.llm_engine.vllm_config
         if expected_specs is None and check_model:
-            expected_specs = engine_specs(self.name, self.llm.llm_engine.vllm_config)
+            expected_specs = engine_specs(self.name, config)
         specs = tuple(expected_specs) if expected_specs is not None else None
-        setup = encode_setup(SetupInfo(self.name, specs, self._staged))
-        self._replies(self._rpc("weightsync_setup", args=(setup,)), "setup")
+        info = SetupInfo(self.name, specs, self._stager.setup(self._staged))
+        self._stager.expect(config.parallel_config.world_size)
+        self._replies(self._rpc("weightsync_setup", args=(encode_setup(info),)), "setup")
+        self._stager.connected()
         if self._has_backend:
             rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
             init_info = {"name": self.name, "expected_specs": rows}
@@ -221,6 +238,8 @@ class _VLLMWorker:
 
     # the coordinator's protocol ---------------------------------------------------------------
     def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._staged and not self.native and method in STAGED_CALLS:
+            return self._forward_staged(method, args, kwargs)
         with self._lock:
             every = self._routing.every_rank(method, args)
             payload = encode_call(Call(method, args, kwargs, every_rank=every))
@@ -233,6 +252,7 @@ class _VLLMWorker:
                     replies = self._replies(self._rpc(target, args=(payload,)), method)
                 finally:
                     self._routing.forwarded(method, every)
+                    self._stager.forwarded(method)
                 value, state = answer(method, replies, every, self.name)
                 self._served.forwarded(method, args, value, state)
                 self._after(state)
@@ -243,32 +263,13 @@ class _VLLMWorker:
                 value = with_held_off(value, self._release(state[1] if state is not None else "unknown", method))
             return value
 
-    def _release(self, state: str, method: str) -> float:
-        """End an open hold (under the lock), recorded as ended by ``method``, and wake the
-        waiting ``generate`` calls."""
-        if not self._hold.open:
-            return 0.0
-        seconds = self._hold.stop(state, method)
-        self._idle.notify_all()
-        return seconds
-
-    def _after(self, reply_state: State | None) -> None:
-        """A newly committed version: drop the old prefix cache, tell vLLM the version."""
-        if reply_state is None:
-            return
-        version, state = reply_state
-        if state == WorkerState.COMMITTED.value and version is not None and version != self._version:
-            self._version = version
-            self.llm.reset_prefix_cache()
-            self.llm.llm_engine.set_weight_version(str(version))
-
     # for users ------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, lora_request: Any = SYNCED) -> Any:
         """vLLM's ``LLM.generate``; never runs during a sync (it waits for the sync's commit,
         up to ``timeout_s``). ``lora_request``: ``"synced"`` (the default) uses the adapter
         synced with ``lora=True``, if any; None the base model; a ``LoRARequest`` that one."""
         with self._lock:
-            if not self._idle.wait_for(lambda: not self._hold.open, timeout=self.timeout_s):
+            if not self._idle.wait_for(lambda: not self._hold.open and not self._swap_wanted, timeout=self.timeout_s):
                 raise EngineCallError(
                     f"{self.name}: a sync has held generation off for over timeout_s={self.timeout_s:.0f}s "
                     "(it received weights and was never committed, settled or torn down); close the WeightSync "
@@ -280,10 +281,12 @@ class _VLLMWorker:
 
             request = self._served.request(lora_request)
             try:
-                return self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=request)
+                outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=request)
             except EngineDeadError as exc:  # vLLM's says only "see stack trace (above)"
                 self._broken = died("generate", exc)
                 raise EngineCallError(f"{self.name}: {self._broken}") from exc
+            self._stager.count(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+            return outputs
 
     def collective_rpc(
         self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -298,13 +301,15 @@ class _VLLMWorker:
             label = getattr(fn, "__name__", "callable")
             return [r.value for r in self._replies(self._rpc("weightsync_call", args=(payload,)), label)]
 
-    def stage_updates(self, staged: bool) -> None:
-        """Keep each sync's tensors on every TP rank until the sync commits (True), so a sync
-        that fails midway never reaches the model and the engine keeps serving its version;
-        costs a second copy of the model's bytes per rank during a sync. False: load as
-        they arrive (the default). Takes effect from the next sync; extension mode only;
-        refused while a WeightSync feeds the engine part by part (``rank-ipc``), which read
-        the engine's staging at setup."""
+    def stage_updates(self, staged: bool, stage: str | None = None, keep_stage: bool | None = None) -> None:
+        """Stage each sync (True): every TP rank receives it into a stage while the engine
+        keeps generating from its version, and generation is held off only for the swap
+        between two steps; a sync that fails before its swap never reaches the model. Costs
+        a second copy of the model's bytes per rank during a sync (``stage``: "auto",
+        "device" or "host"; ``keep_stage`` keeps it between syncs). False: load as the
+        bytes arrive, generation held off for the whole sync (the default). Takes effect
+        from the next sync; extension mode only; refused while a WeightSync feeds the
+        engine part by part (``rank-ipc``), which read the engine's staging at setup."""
         with self._lock:
             if self.native:
                 raise WeightSyncError(
@@ -312,7 +317,16 @@ class _VLLMWorker:
                     "vLLM's native backend; call use_native(False) first"
                 )
             self._routing.refuse_staging_change(self.name, staged, self._staged)
-            self._replies(self._rpc("weightsync_stage", args=(staged,)), "stage_updates")
+            self._stager.stage = check_place(stage) if stage is not None else self._stager.stage
+            self._stager.keep_stage = keep_stage if keep_stage is not None else self._stager.keep_stage
+            setup = self._stager.setup(staged)
+            self._stager.expect(len(self._rank_pids))
+            try:
+                self._replies(self._rpc("weightsync_stage", args=(encode_setup(setup),)), "stage_updates")
+                self._stager.connected()
+            except BaseException:
+                self._stager.failed()
+                raise
             self._staged = staged
 
     def ranks(self) -> list[RankInfo]:
@@ -332,7 +346,10 @@ class _VLLMWorker:
             return self._served.info
 
     def weight_version(self) -> str:
-        return str(self.llm.llm_engine.engine_core.get_weight_version())
+        """The version vLLM holds. Under the lock: vLLM's engine client is not thread-safe, and
+        a ``generate`` call may run on another thread (it finishes first)."""
+        with self._lock:
+            return str(self.llm.llm_engine.engine_core.get_weight_version())
 
     def shutdown(self) -> None:
         """Stop the engine's processes (the actor stays up, and unusable)."""
@@ -341,6 +358,7 @@ class _VLLMWorker:
 
     def _stop(self) -> None:
         """Stop the engine's processes, if it started, then remove its socket folder."""
+        self._stager.close()
         try:
             llm = getattr(self, "llm", None)
             engine_core = None if llm is None else getattr(llm.llm_engine, "engine_core", None)

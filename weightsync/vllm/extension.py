@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,29 +28,56 @@ import cloudpickle
 import torch
 
 from weightsync import TensorSpec, WeightSyncError
+from weightsync.core.stage import check_place
 from weightsync.vllm.amx import request_amx_tiles
 from weightsync.vllm.backend import WeightsyncTransferEngine
 from weightsync.vllm.codec import decode_call, encode_reply, failed_reply, run_call
+from weightsync.vllm.lines import LineInfo
 from weightsync.vllm.rank import RankEndpoint
 from weightsync.vllm.relay import tp_relay
 from weightsync.vllm.reload import lifecycle
+from weightsync.vllm.staged_rank import StagedRank
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """How a rank stages (``stage_updates``): every rank is told at once."""
+
+    #: Receive each sync into a stage while the model keeps serving, and swap it in
+    #: between generation steps (``weightsync.vllm.staged_rank``).
+    staged: bool = False
+    #: Where the stage lives: "auto", "device" or "host" (``weightsync.core.stage``).
+    stage: str = "auto"
+    #: Keep the stage allocated between syncs.
+    keep_stage: bool = False
+    #: The engine actor's line for the rank's staging thread (None: no line yet, or unstaged).
+    line: LineInfo | None = None
+    #: How long a staging wait may last (the actor's ``timeout_s``).
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.staged, bool) or not isinstance(self.keep_stage, bool):
+            raise ValueError(f"StageSetup.staged and keep_stage must be True or False, got {self!r}")
+        check_place(self.stage, "stage")
+        if self.staged and self.line is None:
+            raise ValueError("StageSetup: staging needs the engine actor's line (line=None)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"StageSetup.timeout_s must be positive, got {self.timeout_s!r}")
 
 
 @dataclass(frozen=True)
 class SetupInfo:
-    """What every rank needs once: the worker's name and the tensors it expects."""
+    """What every rank needs once: the worker's name, the tensors it expects, its staging."""
 
     name: str
     expected_specs: tuple[TensorSpec, ...] | None = None
-    #: Keep each sync's tensors until it commits, so a failed sync never reaches the model
-    #: (``LoadWeightsSink(staged=True)``: a second copy of the model's bytes during a sync).
-    staged: bool = False
+    staging: StageSetup = StageSetup()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"SetupInfo.name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.staged, bool):
-            raise ValueError(f"SetupInfo.staged must be True or False, got {self.staged!r}")
+        if not isinstance(self.staging, StageSetup):
+            raise ValueError(f"SetupInfo.staging must be a StageSetup, got {type(self.staging).__name__}")
 
 
 @dataclass(frozen=True)
@@ -70,8 +97,15 @@ class RankInfo:
     relayed_tensors: int = 0
 
 
-def encode_setup(info: SetupInfo) -> bytes:
+def encode_setup(info: SetupInfo | StageSetup) -> bytes:
     return bytes(cloudpickle.dumps(info))
+
+
+def _staging(endpoint: RankEndpoint, setup: StageSetup) -> Callable[[], StagedRank]:
+    """Makes the rank's staging side, connected to the engine actor's line."""
+    line = setup.line
+    assert line is not None, "StageSetup refuses staging without a line"
+    return lambda: StagedRank(endpoint, line, setup.timeout_s)
 
 
 def rank_info(endpoint: RankEndpoint) -> RankInfo:
@@ -108,7 +142,8 @@ class WorkerExtension:
             if torch.device(worker.device).type == "cpu":
                 request_amx_tiles()  # before the first request (amx.py says why)
             model = worker.model_runner.get_model
-            self._weightsync_endpoint = RankEndpoint(
+            staging = info.staging
+            self._weightsync_endpoint = endpoint = RankEndpoint(
                 model=model,
                 device=torch.device(worker.device),
                 begin=lambda: lifecycle().begin(model()),
@@ -116,9 +151,13 @@ class WorkerExtension:
                 expected_specs=info.expected_specs,
                 relay=tp_relay(torch.device(worker.device)),
                 name=info.name,
-                staged=info.staged,
+                staged=staging.staged,
+                stage=staging.stage,
+                keep_stage=staging.keep_stage,
                 runner=lambda: worker.model_runner,
             )
+            if staging.staged:
+                endpoint.set_staging(_staging(endpoint, staging))
 
         return run_call(setup, lambda: None)
 
@@ -179,9 +218,35 @@ class WorkerExtension:
             self._weightsync_session_open = False
             return encode_reply(failed_reply(exc))
 
-    def weightsync_stage(self, staged: bool) -> bytes:
-        """Stage whole syncs on this rank from the next sync on, or stop (extension mode)."""
-        return run_call(lambda: self._weightsync_ep().weightsync_sink.set_staged(staged), lambda: None)
+    def weightsync_stage(self, payload: bytes) -> bytes:
+        """Stage whole syncs on this rank from the next sync on, or stop (extension mode);
+        ``payload`` is a :class:`StageSetup`. Every rank at once: staging forms a group."""
+
+        def stage() -> None:
+            setup = cloudpickle.loads(payload)
+            if not isinstance(setup, StageSetup):
+                raise TypeError(f"weightsync_stage takes StageSetup bytes, got {type(setup).__name__}")
+            endpoint = self._weightsync_ep()
+            endpoint.weightsync_sink.set_staged(setup.staged, setup.stage, setup.keep_stage)
+            if setup.staged:
+                with self._weightsync_config():
+                    endpoint.set_staging(_staging(endpoint, setup))
+
+        return run_call(stage, lambda: None)
+
+    def weightsync_swap(self, version: int) -> bytes:
+        """Swap this rank's staged sync into the model (the model's thread, between steps):
+        the load through ``load_weights`` inside vLLM's reload, and the end of the reload.
+        The reply's value is the seconds it took."""
+        try:
+            endpoint = self._weightsync_ep()
+            if endpoint.staging is None:
+                raise WeightSyncError(f"{endpoint.name}: this rank does not stage; nothing to swap")
+            staging = endpoint.staging
+            with self._weightsync_config():
+                return run_call(lambda: staging.swap(version), endpoint.receiver_state)
+        except Exception as exc:  # noqa: BLE001 - encoded for the caller, who re-raises it
+            return encode_reply(failed_reply(exc))
 
     def weightsync_ranks(self, native: bool) -> bytes:
         """This rank's :class:`RankInfo`, of the native backend's endpoint or the extension's."""

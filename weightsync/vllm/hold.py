@@ -68,6 +68,18 @@ class HoldRecord:
     #: failed elsewhere and the coordinator cleaned up (a failed sync has no report: its
     #: hold is only here).
     ended_by: str
+    #: A staged sync (``stage_updates``): generation went on during the transfer and was
+    #: held off for the swap alone.
+    staged: bool = False
+    #: Of ``seconds``, the swap itself: the slowest rank's load of its stage through
+    #: ``load_weights`` inside vLLM's reload, with the end of the reload (0 unstaged).
+    swap_s: float = 0.0
+    #: Staged: seconds from the start of the transfer until generation was held off.
+    transfer_s: float | None = None
+    #: Staged: tokens the engine generated meanwhile (the proof that generation ran):
+    #: ``AsyncVLLMWorker`` counts the tokens it streamed in that time, ``VLLMWorker`` those
+    #: of the ``generate`` calls that returned in it.
+    generated_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.ended_by:
@@ -78,6 +90,8 @@ class HoldRecord:
             )
         if self.in_flight < 0:
             raise ValueError(f"HoldRecord.in_flight must be >= 0, got {self.in_flight!r}")
+        if not 0 <= self.swap_s:
+            raise ValueError(f"HoldRecord.swap_s must be >= 0, got {self.swap_s!r}")
 
 
 class SyncHold:
@@ -112,9 +126,16 @@ class SyncHold:
             return False
         return method in RELEASES or state is None or state[1] != WorkerState.RECEIVING.value
 
-    def stop(self, state: str, ended_by: str) -> float:
+    def stop(
+        self,
+        state: str,
+        ended_by: str,
+        swap_s: float | None = None,
+        window: tuple[float | None, int | None] = (None, None),
+    ) -> float:
         """Close the open hold, recorded as ended by call ``ended_by`` with receiver
-        ``state``; returns its seconds."""
+        ``state``; returns its seconds. A staged sync's hold gives ``swap_s`` (the swap's
+        seconds) and ``window`` (the transfer's seconds and the tokens generated in it)."""
         if self._started is None:
             raise RuntimeError("SyncHold.stop without an open hold")
         seconds = time.perf_counter() - self._started
@@ -127,6 +148,10 @@ class SyncHold:
             mode=self.mode,
             state=state,
             ended_by=ended_by,
+            staged=swap_s is not None,
+            swap_s=min(swap_s or 0.0, seconds),
+            transfer_s=window[0],
+            generated_tokens=window[1],
         )
         return seconds
 

@@ -24,17 +24,42 @@ that load nothing never touch the model. Call order for one protocol call::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, Sink
 from weightsync.core.wire.manifest import Manifest
 from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin
 from weightsync.vllm.codec import Call, encode_reply, failed_reply, run_call
 from weightsync.vllm.lora import EngineAdapter
 from weightsync.vllm.relay import Finish, RelayLoadError, TpRelay
+
+#: Calls that may close this rank's transport: a staged receive still running is ended first.
+QUIETS = ("ws_accept", "ws_open", "ws_settle", "ws_teardown")
+
+
+class Staging(Protocol):
+    """What this rank's endpoint asks of its staging side (``staged_rank.StagedRank``)."""
+
+    @property
+    def alive(self) -> bool:
+        """False once its line to the engine actor is gone (the actor closed it)."""
+
+    def form_relay(self, tp_group: Any) -> None: ...
+
+    def quiet(self) -> None: ...
+
+    def swap(self, version: int) -> float: ...
+
+
+class _Alone:
+    """The TP group of an engine of one rank (nothing to form)."""
+
+    world_size = 1
+    rank_in_group = 0
 
 
 class RankEndpoint(WorkerMixin):
@@ -53,6 +78,8 @@ class RankEndpoint(WorkerMixin):
         name: str,
         staged: bool = False,
         runner: Callable[[], Any] | None = None,
+        stage: str = "auto",
+        keep_stage: bool = False,
     ) -> None:
         self._model = model
         self.device = device
@@ -66,7 +93,7 @@ class RankEndpoint(WorkerMixin):
         self.fed_by = ""
         self.mirrored_state: tuple[int | None, str] | None = None  # a follower's copy of rank 0's
         #: True while the current call runs on this rank alone (nothing is relayed).
-        self._alone = False
+        self.alone = False
         #: True from a parts-feeding transport's opening until a call is led by rank 0 again.
         self.fed_by_parts = False
         self.name = name
@@ -76,12 +103,21 @@ class RankEndpoint(WorkerMixin):
         # until each layer has all its weights (a layer with padding, such as the
         # vocabulary-padded embedding, until the reload ends), so views into a receive
         # buffer that the next chunk refills would be read stale. Each tensor is cloned.
-        # With ``staged``, a sync's tensors are kept until it commits (LoadWeightsSink's
-        # ``staged``): a failed sync never reaches the model.
+        # With ``staged``, a sync lands in a stage (on ``device`` or the host, by ``stage``)
+        # and is loaded only at its swap: a failed sync never reaches the model.
         # reload_all: vLLM's layerwise reload rebuilds a layer only from all of its tensors.
         self.weightsync_sink = LoadWeightsSink(
-            self._load, copies_immediately=False, expected_specs=expected_specs, staged=staged, reload_all=True
+            self._load,
+            copies_immediately=False,
+            expected_specs=expected_specs,
+            staged=staged,
+            stage=stage,
+            keep_stage=keep_stage,
+            device=device,
+            reload_all=True,
         )
+        #: The staging thread and group, once the engine actor set staging up (staged_rank.py).
+        self.staging: Staging | None = None
         self.lora = EngineAdapter(runner, expected_specs, name)
 
     def weightsync_adapter_sink(self, manifest: Manifest, who: str) -> Sink:
@@ -102,6 +138,22 @@ class RankEndpoint(WorkerMixin):
     def tp_rank(self) -> int:
         return self._relay.rank if self._relay is not None else 0
 
+    def _wr(self) -> WeightReceiver:
+        receiver = super()._wr()
+        # A staged engine swaps between generation steps, not in the call that commits.
+        receiver.swap_later = self.staging is not None and self.weightsync_sink.staged
+        return receiver
+
+    def set_staging(self, make: Callable[[], Staging]) -> None:
+        """This rank's staging thread (``make`` connects it to the engine actor, once), then a
+        fresh staging group of the TP ranks; every rank at once, on the model's thread."""
+        if self.staging is None or not self.staging.alive:
+            self.staging = make()
+        self.staging.form_relay(self._tp_group())
+
+    def _tp_group(self) -> Any:
+        return self._relay.group if self._relay is not None else _Alone()
+
     def weightsync_model(self) -> torch.nn.Module:
         return self._model()
 
@@ -111,7 +163,7 @@ class RankEndpoint(WorkerMixin):
     # loading ----------------------------------------------------------------------------
     def _load(self, weights: Any) -> None:
         items = list(weights)
-        if self._relay is not None and self.tp_rank == 0 and not self._alone:
+        if self._relay is not None and self.tp_rank == 0 and not self.alone:
             self._relay.send(items)
             self.relayed += len(items)
         receiver = getattr(self, "_ws_receiver", None)
@@ -174,6 +226,10 @@ class RankEndpoint(WorkerMixin):
                     failed_reply(WeightSyncError(f"{self.name}: {call.target!r} is not a weightsync protocol method"))
                 )
             method = getattr(self, call.target)
+            if self.staging is not None and call.target in QUIETS:
+                self.staging.quiet()  # a staged receive left running must not lose its transport
+                if call.target == "ws_accept":
+                    self.staging.form_relay(self._tp_group())  # a new session: a fresh group
             if call.every_rank:
                 return self._alone_call(call.target, lambda: method(*call.args, **call.kwargs), settle)
             self.fed_by_parts = False
@@ -202,11 +258,11 @@ class RankEndpoint(WorkerMixin):
             self.fed_by_parts = True
         # This rank's receiver speaks for it from here; what rank 0 last relayed is stale.
         self.mirrored_state = None
-        self._alone = True
+        self.alone = True
         try:
             out = run_call(body, self.receiver_state)
         finally:
-            self._alone = False
+            self.alone = False
         if settle and self._reloading and self.settles():
             try:
                 self.end_reload()
@@ -228,6 +284,8 @@ class RankEndpoint(WorkerMixin):
                     self.end_reload()
                 raise
             self.mirrored_state = finish.state
+            if finish.state is None or finish.state[1] != WorkerState.RECEIVING.value:
+                self.weightsync_sink.discard()  # rank 0 holds no staged sync: neither does this rank
             receiver = getattr(self, "_ws_receiver", None)
             if receiver is not None and finish.state is not None:
                 # This rank holds what rank 0 holds: a later session that feeds it on its

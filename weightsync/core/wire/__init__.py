@@ -29,6 +29,7 @@ from weightsync.core.wire.errors import (
     SetupError,
     StreamTimeout,
     SyncError,
+    SyncInFlight,
     TransferError,
     TransferTimeout,
     UnsupportedDtypeError,
@@ -53,7 +54,7 @@ from weightsync.core.wire.messages import (
 )
 from weightsync.core.wire.outcome import Outcome, Status, assign_blame
 from weightsync.core.wire.plan import Chunk, ChunkPiece, align_up, plan_broadcast, plan_chunks
-from weightsync.core.wire.report import SyncReport, WorkerReport
+from weightsync.core.wire.report import StageReport, SyncReport, WorkerReport
 from weightsync.core.wire.session import TRAINER_PARTY, Deadlines, Session
 from weightsync.core.wire.settings import (
     DEFAULT_ALIGNMENT,
@@ -98,7 +99,9 @@ __all__ = [
     "StreamTimeout",
     "Status",
     "SyncCall",
+    "StageReport",
     "SyncError",
+    "SyncInFlight",
     "SyncReport",
     "SyncSettings",
     "TensorCast",

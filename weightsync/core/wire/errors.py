@@ -65,6 +65,11 @@ class VersionError(WeightSyncError, ValueError):
     """A sync asked for a version older than the one a worker holds."""
 
 
+class SyncInFlight(WeightSyncError):
+    """A sync reached a worker whose previous sync was still in flight (received, its commit
+    or swap not done); refused, so two syncs never mix."""
+
+
 class ChecksumMismatch(WeightSyncError):
     """Bytes a worker received differ from what the trainer sent."""
 

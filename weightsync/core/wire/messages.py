@@ -12,6 +12,7 @@ from typing import Any
 
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.outcome import Outcome
+from weightsync.core.wire.report import StageReport
 from weightsync.core.wire.shm_names import confined_path
 
 
@@ -244,9 +245,15 @@ class ReceiveResult:
     #: The token of the bytes this worker holds after this call, committed (0: none a
     #: delta may be applied to).
     token: int = 0
+    #: A staged worker: where its stage lived, and the swap once it ran (None otherwise).
+    stage: StageReport | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
+        _require(
+            self.stage is None or isinstance(self.stage, StageReport),
+            f"{self.worker}: a receive result's stage must be a StageReport, got {type(self.stage).__name__}",
+        )
         _require(
             all(isinstance(p, ReceiveResult) and not p.parts for p in self.parts),
             f"{self.worker}: a receive result's parts must be ReceiveResults of single parts",

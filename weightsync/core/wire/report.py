@@ -8,6 +8,54 @@ from typing import Any
 
 from weightsync.core.wire.casts import CastCount
 
+#: Where a stage may live: the worker's device, or host memory (pinned on a GPU).
+STAGE_PLACES = ("device", "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageReport:
+    """Where a staged worker kept one sync's bytes until its swap, and what the swap took.
+
+    A staged worker receives into a stage while it keeps serving (or reading) its version;
+    only the swap, one load of the staged tensors into the model, holds generation off
+    (``weightsync.core.stage``, docs/vllm.md). Per part (an engine's TP ranks, in rank order;
+    one for any other worker): where its stage lived and how many bytes it held."""
+
+    #: "device" or "host", per part.
+    where: tuple[str, ...]
+    #: Bytes staged, per part.
+    part_bytes: tuple[int, ...]
+    #: True when the stage stays allocated for the next sync (``keep_stage``).
+    kept: bool = False
+    #: Seconds the swap took: the load of the staged tensors into the model (for a vLLM
+    #: engine, through ``load_weights`` inside vLLM's reload, with the end of the reload),
+    #: the slowest part's; 0 when the sync did not reach its swap.
+    swap_s: float = 0.0
+    #: Seconds the transfer ran while generation went on (engines; None elsewhere).
+    transfer_s: float | None = None
+    #: Tokens the engine generated while the transfer ran (None where nobody counts them).
+    generated_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "where", tuple(self.where))
+        object.__setattr__(self, "part_bytes", tuple(self.part_bytes))
+        if not self.where or len(self.where) != len(self.part_bytes):
+            raise ValueError(
+                f"StageReport needs one place and one byte count per part, got {self.where!r} and {self.part_bytes!r}"
+            )
+        if any(w not in STAGE_PLACES for w in self.where):
+            raise ValueError(f"StageReport.where must name {' or '.join(STAGE_PLACES)} per part, got {self.where!r}")
+        if any(not isinstance(b, int) or b < 0 for b in self.part_bytes):
+            raise ValueError(f"StageReport.part_bytes must be non-negative integers, got {self.part_bytes!r}")
+        if not self.swap_s >= 0:
+            raise ValueError(f"StageReport.swap_s must be >= 0, got {self.swap_s!r}")
+
+    def line(self) -> str:
+        places = sorted(set(self.where))
+        per_part = max(self.part_bytes) / 1e6
+        parts = f" on each of {len(self.part_bytes)} parts" if len(self.part_bytes) > 1 else ""
+        return f"staged {per_part:.1f} MB{parts} on {'/'.join(places)}, swap {self.swap_s * 1e3:.1f} ms"
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerReport:
@@ -29,6 +77,8 @@ class WorkerReport:
     #: Bytes that crossed to this worker: what its transport moved (every trainer rank's
     #: part with owner sends; a delta's header and payloads in a delta session).
     sent_bytes: int = 0
+    #: A staged worker's stage and swap (None for a worker that loads as bytes arrive).
+    stage: StageReport | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +149,8 @@ class SyncReport:
 
     def _held_off_text(self) -> str:
         held = self.held_off_s
+        staged = [w.stage for w in self.workers if w.stage is not None]
+        stage = f" ({staged[0].line()})" if len(staged) == 1 else f" ({len(staged)} staged)" if staged else ""
         if held is None:
-            return ""
-        return f"; generation held off {held * 1e3:.1f} ms of {self.seconds * 1e3:.1f} ms sync"
+            return f"; {staged[0].line()}" if len(staged) == 1 else ""
+        return f"; generation held off {held * 1e3:.1f} ms of {self.seconds * 1e3:.1f} ms sync{stage}"

@@ -16,6 +16,8 @@ Everything is measured in one run, on one cluster, with the same actors:
   chunk (pack on the trainer, then consume on the worker);
 * the Ray object store: ``ray.put`` of the state dict on the trainer, ``ray.get`` on the
   worker, copied into its parameters;
+* ``staged``: a staged worker's swap (one copy of a sync's stage into the model, the stage
+  on the device, and on a GPU also in pinned host memory) against one raw copy;
 * a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
   (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`);
 * with ``--changed 1%,10%,100%,adamw:1e-6``: dense against delta syncs, fp32 master weights
@@ -25,7 +27,11 @@ Everything is measured in one run, on one cluster, with the same actors:
   (:mod:`~weightsync.tools.bench.engine_tp`);
 * with ``--lora-rank R`` (PEFT installed): the size's policy with a LoRA adapter of rank R,
   its adapter synced (``lora=True``) against the same policy synced whole
-  (:mod:`~weightsync.tools.bench.lora`).
+  (:mod:`~weightsync.tools.bench.lora`);
+* with ``--vllm-staged`` (CPU, vLLM installed): a Llama of the size into a generating
+  ``LLM`` and ``AsyncLLM`` engine, over ipc and broadcast, unstaged and staged: how long
+  each sync held generation off, the swap, and the tokens generated during the transfer
+  (:mod:`~weightsync.tools.bench.engine_staged`).
 
 Each case: one warm-up sync, then ``--repeats`` timed syncs (median, min, max), effective
 GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak extra memory
@@ -56,7 +62,7 @@ from weightsync.tools.cli_types import (
 from weightsync.tools.models import SIZES
 
 #: The case groups ``--transports`` selects.
-TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore")
+TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore", "staged")
 #: The bench's bound on any sync or Ray call: longer than the library's default timeout,
 #: since it moves models of up to 16 GB on machines others load too.
 TIMEOUT_S = 300.0
@@ -84,7 +90,7 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
         "--transports",
         type=comma_list(TRANSPORTS),
         default=list(TRANSPORTS),
-        help="comma-separated cases to run (default: all of ipc,direct,broadcast,naive,objectstore)",
+        help="comma-separated cases to run (default: all of ipc,direct,broadcast,naive,objectstore,staged)",
     )
     parser.add_argument(
         "--buffer-mib",
@@ -107,7 +113,7 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_extra_case_arguments(parser: argparse.ArgumentParser) -> None:
     """The rows beyond the main cases, each off unless asked: sharded trainers, vLLM engines,
-    LoRA adapters, delta syncs."""
+    LoRA adapters, staged engines, delta syncs."""
     parser.add_argument(
         "--sharded-ranks",
         type=positive_int_list_or_none,
@@ -127,6 +133,12 @@ def add_extra_case_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also wrap each size's policy with a PEFT LoRA adapter of this rank and sync the adapter alone "
         "(lora=True) against the whole model, per transport; needs PEFT (default: off)",
+    )
+    parser.add_argument(
+        "--vllm-staged",
+        action="store_true",
+        help="also sync a Llama of each size into generating vLLM engines (LLM, AsyncLLM), unstaged and staged, "
+        "over ipc and broadcast, and report how long each sync held generation off; CPU, needs vLLM (default: off)",
     )
     parser.add_argument(
         "--changed",

@@ -21,6 +21,7 @@ from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, MIB, SyncSettings
 from weightsync.tools.bench.baselines import gloo_case, outside_cases, ray_floor_case, reference_case
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.deltas import delta_cases
+from weightsync.tools.bench.engine_staged import engine_staged_cases
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
 from weightsync.tools.bench.report import Case, check_json_path, header, ratios, show, write_json
@@ -225,8 +226,8 @@ class Bench:
         ws.close()
 
     def colocated_cases(self, run: SizeRun) -> None:
-        """ipc and direct at the library's defaults, push mode, and (without ``--quick``) the
-        ipc knob sweep and the reference design."""
+        """ipc and direct at the library's defaults, push mode, a staged worker's swap, and
+        (without ``--quick``) the ipc knob sweep and the reference design."""
         args, worker = self.args, run.workers[0]
         for transport in ("ipc", "direct"):
             if transport in args.transports:
@@ -235,6 +236,8 @@ class Bench:
                 )
         if "direct" in args.transports:
             self.push_cases(run.size, run.trainer, worker, run.nbytes, run.copy_s)
+        if "staged" in args.transports:
+            self.swap_cases(run)
         if "ipc" not in args.transports or args.quick:
             return
         first = args.buffer_mib[0]
@@ -268,7 +271,7 @@ class Bench:
         return raw
 
     def other_cases(self, run: SizeRun, raw: float | None) -> None:
-        """The sharded trainer, the vLLM TP engine, LoRA, and the baselines outside weightsync."""
+        """The sharded trainer, the vLLM engines, LoRA, and the baselines outside weightsync."""
         args, size, cuda = self.args, run.size, self.args.device == "cuda"
         if args.sharded_ranks and cuda:
             print(f"{size:>6} {'sharded trainer cases':<34} skipped: CPU only (gloo ranks)", flush=True)
@@ -276,13 +279,34 @@ class Bench:
             sharded_cases(
                 self, size, run.workers, run.nbytes, {"broadcast": raw, "direct": run.copy_s, "ipc": run.copy_s}
             )
-        if args.vllm_tp and cuda:
-            print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
-        elif args.vllm_tp:
-            engine_tp_cases(self, size, run.copy_s)
+        self.engine_cases(size, run.copy_s)
         if args.lora_rank:
             lora_cases(self, size)
         outside_cases(self, size, run.trainer, run.workers[0], run.nbytes, run.copy_s)
+
+    def engine_cases(self, size: str, copy_s: float) -> None:
+        """The vLLM engine rows asked for (CPU only): tensor-parallel, staged."""
+        cuda = self.args.device == "cuda"
+        if self.args.vllm_tp and cuda:
+            print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
+        elif self.args.vllm_tp:
+            engine_tp_cases(self, size, copy_s)
+        if self.args.vllm_staged and cuda:
+            print(f"{size:>6} {'vllm staged cases':<34} skipped: CPU only (vLLM's CPU build)", flush=True)
+        elif self.args.vllm_staged:
+            engine_staged_cases(self, size)
+
+    def swap_cases(self, run: SizeRun) -> None:
+        """A staged worker's swap (``ModuleSink(stage=...)``): one copy of a sync's stage into
+        the model, against one raw copy of its bytes; on a GPU from the device and from
+        pinned host memory. Timed in the actor that holds the model (the trainer's copy)."""
+        for place in ("device", "host") if self.args.device == "cuda" else ("device",):
+            name = f"staged swap, stage on {place}"
+            seconds, where = self.get(run.trainer.call.remote(probes.staged_swap_seconds, place, self.args.repeats))
+            case = Case(run.size, name, run.nbytes, times=[seconds] * 2, limit_s=run.copy_s, note=f"stage on {where}")
+            case.note += f", {seconds / run.copy_s:.2f}x one raw copy" if run.copy_s else ""
+            self.cases.append(case)
+            show(case)
 
     def push_cases(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
         """Direct in push mode: ``sync()`` as one Ray call (to the trainer), and a push from

@@ -165,3 +165,34 @@ def polling(model: torch.nn.Module, seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         time.sleep(20e-6)
+
+
+def staged_swap_seconds(model: torch.nn.Module, place: str, repeats: int) -> tuple[float, str]:
+    """A module sink's staged swap, timed: each round fills the stage (as a transport would)
+    and swaps it into the model with one copy (``ModuleSink.land``); the median swap and where
+    the stage lived. The stage is released after each swap, as between syncs."""
+    from weightsync.core.sender import WeightSender
+    from weightsync.core.sinks import ModuleSink, module_tensors
+    from weightsync.core.wire.settings import SyncSettings
+
+    manifest = WeightSender(model=model).manifest(SyncSettings())
+    sink = ModuleSink(model, stage=place)
+    assert sink.staging is not None
+    held = [t for _, t in module_tensors(model)]
+    times, where = [], ""
+    for _ in range(repeats + 1):
+        views = sink.destinations(manifest)
+        with torch.no_grad():
+            for view, tensor in zip(views, held):
+                assert view is not None
+                view.copy_(tensor)
+        if held and held[0].device.type == "cuda":
+            torch.cuda.synchronize(held[0].device)  # a transport's receive drains before it returns
+        sink.seal()
+        where = sink.staging.report().where[0]  # type: ignore[union-attr]
+        sink.land()
+        times.append(sink.staging.swap_s)
+    del sink
+    if held and held[0].device.type == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times[1:]), where
