@@ -169,10 +169,11 @@ def test_a_rank_killed_mid_sync_leaves_a_staging_engine_serving_its_version(
     before = gathered(ranks)
     (held_before,) = get(engine.collective_rpc.remote(vm.engine_params))
     get([r.call.remote(vm.nudge_shards, 4) for r in ranks])
-    get(ranks[1].die_at_bucket.remote(2))
     get(engine.stage_updates.remote(True))
     ws = WeightSync(ranks, {"vllm": engine}, transport="broadcast", buffer_bytes=BUFFER, timeout_s=60)
     try:
+        ws.setup()
+        get(ranks[1].die_at_bucket.remote(2))  # in this WeightSync's session, set up just now
         with pytest.raises(SyncError) as failed:
             ws.sync(4)
     finally:

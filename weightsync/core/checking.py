@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from weightsync.core.wire.errors import ChecksumMismatch, VerificationError
+from weightsync.core.wire.messages import ReceiveResult
 from weightsync.core.wire.outcome import Outcome
 
 
@@ -96,3 +97,29 @@ def check_destination(
         "writes elsewhere, or tensors without storage); version not taken",
         blames=[worker],
     )
+
+
+def check_commit(
+    worker: str, names: Sequence[str], got: ReceiveResult, sent: Sequence[Outcome], reference: Outcome | None
+) -> None:
+    """A verified commit's checks of ``worker``'s receive ``got``: every chunk's checksum
+    against its senders' (``sent``, the parties whose bytes it received, theirs put together
+    in rank order), then every tensor its sink holds against ``reference`` (the trainer, or
+    rank 0 of a sharded one; see :func:`check_destination`). Raises ChecksumMismatch."""
+    expected = [c for o in sent for c in o.value.checksums.get(got.transport, [])]
+    bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
+    if bad or len(got.checksums) != len(expected):
+        which = ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
+        raise ChecksumMismatch(f"{worker}: checksum mismatch ({which}): bytes corrupted in transit")
+    check_destination(worker, names, got.held, _diverging(sent, reference), reference or sent[0])
+
+
+def _diverging(sent: Sequence[Outcome], reference: Outcome | None) -> Outcome:
+    """Of the senders serving a worker, the one to blame for bytes that differ from
+    ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
+    another replica), else the first."""
+    if reference is not None:
+        for o in sent:
+            if o.value.tensor_checksums != reference.value.tensor_checksums:
+                return o
+    return sent[0]

@@ -5,12 +5,11 @@ transport, and runs the worker's state machine for every transport alike. It imp
 Ray and names no transport: the plug-ins' setup actions install its half (it is their
 :class:`~weightsync.core.plugin.WorkerSide`). One session::
 
-    receiver.accept(manifest, server, timeout_s)   refuses a mismatch, by tensor, before any
-                                                   byte; the receiver's Session starts here
+    receiver.accept(manifest, server, timeout_s, owner)   refuses a mismatch, by tensor, before
+                                                   any byte; the receiver's Session starts here
     the plug-in's worker actions                   -> receiver.install(half)
     per sync: receiver.receive(call)               -> ReceiveResult (commits at once when the
-                                                      half knows the sender finished, unless
-                                                      verifying)
+                                                      half knows the sender finished)
               receiver.commit(call, got, ref, *sent)  otherwise: once every serving side (and,
                                                       with verify, the reference's) is known
     after a failed sync: receiver.settle()         -> (version, state)
@@ -27,13 +26,20 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from weightsync.core.checking import check_destination
+from weightsync.core.checking import check_commit
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
 from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.wire.casts import TensorCast
-from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
+from weightsync.core.wire.errors import (
+    ChecksumMismatch,
+    ManifestError,
+    PeerAborted,
+    SessionTornDown,
+    VersionError,
+    WeightSyncError,
+)
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
@@ -69,6 +75,8 @@ class WeightReceiver:
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
         self._session: Session | None = None
+        #: The label of the coordinator that set it up last ("": none given); see :meth:`foreign`.
+        self.owner = ""
         #: The tensors the sink casts on load, from the last accepted Manifest.
         self.casts: tuple[TensorCast, ...] = ()
         self.version: int | None = None
@@ -89,14 +97,19 @@ class WeightReceiver:
         self.part = (0, 1)
 
     def accept(
-        self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        manifest: Manifest,
+        server: str = TRAINER_PARTY,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        owner: str = "",
     ) -> tuple[TensorCast, ...]:
         """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing.
 
         Starts this set-up's Session: ``server`` is the trainer party that feeds this
-        worker (named when it fails), ``timeout_s`` bounds every wait. Returns the tensors
-        this worker's sink casts on load (held in another floating dtype than the wire's;
-        only a sink with ``casts_on_load`` may), also kept as :attr:`casts`.
+        worker (named when it fails), ``timeout_s`` bounds every wait, ``owner`` labels the
+        coordinator setting it up. Returns the tensors this worker's sink casts on load (held
+        in another floating dtype than the wire's; only a sink with ``casts_on_load`` may),
+        also kept as :attr:`casts`.
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
@@ -111,8 +124,23 @@ class WeightReceiver:
         self.close_transports()
         self.sink = sink
         self._session = session
+        self.owner = owner
         self.casts = casts
         return casts
+
+    def foreign(self, owner: str) -> bool:
+        """True when coordinator ``owner`` is not the one that set this worker up last (a
+        worker takes part in one coordinator's session at a time: a later setup takes it
+        over), so ``owner``'s calls must not touch the session. An empty label is anyone's."""
+        return bool(owner) and bool(self.owner) and owner != self.owner
+
+    def _check_owner(self, call: SyncCall) -> None:  # before the half: it is another session's
+        if self.foreign(call.owner):
+            raise SessionTornDown(
+                f"{self.name}: set up by {self.owner} since, which took this worker over from {call.owner}: a "
+                "worker takes part in one WeightSync at a time; give each WeightSync workers of its own (or close "
+                "the other one), then this one's next sync sets it up again"
+            )
 
     @property
     def session(self) -> Session:
@@ -124,9 +152,6 @@ class WeightReceiver:
     def manifest(self) -> Manifest | None:
         """The accepted Manifest, or None before the first setup."""
         return self._session.manifest if self._session is not None else None
-
-    def _manifest(self) -> Manifest:
-        return self.session.manifest
 
     # the state machine ----------------------------------------------------------------
     #
@@ -144,6 +169,7 @@ class WeightReceiver:
     def receive(self, call: SyncCall) -> ReceiveResult:
         """This worker's side of sync ``call``: check, take the bytes, commit (not broadcast)."""
         start = time.perf_counter()
+        self._check_owner(call)
         half = self.active_half
         if half is None:
             raise WeightSyncError(f"{self.name}: no transport is open; run setup()")
@@ -161,7 +187,7 @@ class WeightReceiver:
                 )
             checksums, stale = half.receive(self.sink, call, self._begin)
             if call.verify and not stale:
-                held = self.sink.checksums(self._manifest())
+                held = self.sink.checksums(self.session.manifest)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
@@ -207,6 +233,7 @@ class WeightReceiver:
         serving this worker is named)."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
+        self._check_owner(call)
         if not sent:
             raise WeightSyncError(f"{self.name}: asked to commit without any sender's answer (a weightsync bug)")
         failed_senders = [o.party for o in sent if not o.ok]
@@ -229,32 +256,28 @@ class WeightReceiver:
             return got  # nothing was written: the coordinator exports it again
         if call.verify:
             half = self.active_half
-            mine = tuple(half.own_senders(sent)) if half is not None else sent
-            expected = [c for o in mine for c in o.value.checksums.get(got.transport, [])]
-            bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
-            if bad or len(got.checksums) != len(expected):
-                self._fail()
-                which = (
-                    ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
+            try:
+                check_commit(
+                    self.name, self.session.manifest.names, got, half.own_senders(sent) if half else sent, reference
                 )
-                raise ChecksumMismatch(f"{self.name}: checksum mismatch ({which}): bytes corrupted in transit")
-            self._check_held(got.held, _diverging(mine, reference), reference or mine[0])
+            except ChecksumMismatch:
+                self._fail()
+                raise
         self._commit(call.version)
         return ReceiveResult(
-            worker=self.name, version=self.version, state=self.state.value, checksums=[], seconds=got.seconds
+            worker=self.name,
+            version=self.version,
+            state=self.state.value,
+            checksums=[],
+            seconds=got.seconds,
         )
 
-    def _check_held(self, held: list[int] | None, sent: Outcome, reference: Outcome) -> None:
-        """Refuse the commit (dirty) unless every tensor the sink holds matches ``reference``."""
-        try:
-            check_destination(self.name, self._manifest().names, held, sent, reference)
-        except ChecksumMismatch:
-            self._fail()
-            raise
-
-    def settle(self) -> tuple[int | None, str]:
-        """After a failed sync: a worker still receiving is dirty (its bytes may be a mix);
-        a staging sink drops what it kept (its model was never touched)."""
+    def settle(self, owner: str = "") -> tuple[int | None, str]:
+        """After a failed sync of coordinator ``owner``: a worker still receiving is dirty
+        (its bytes may be a mix); a staging sink drops what it kept (its model was never
+        touched). A worker another coordinator took over since only says what it holds."""
+        if self.foreign(owner):
+            return self.status()
         if self.state is WorkerState.RECEIVING:
             self._fail()
         else:
@@ -268,8 +291,7 @@ class WeightReceiver:
                 f"({self.version}); pass force=True to overwrite anyway"
             )
 
-    def _stages(self) -> bool:
-        """True when the sink keeps a sync's tensors until it commits (``LoadWeightsSink(staged=True)``)."""
+    def _stages(self) -> bool:  # the sink keeps a sync's tensors until it commits
         return bool(getattr(self.sink, "staged", False))
 
     def _begin(self) -> None:
@@ -312,7 +334,7 @@ class WeightReceiver:
 
     def checksums(self) -> list[int] | None:
         """Per tensor, the checksum of what this worker holds (module sinks) or last received."""
-        return self.sink.checksums(self._manifest())
+        return self.sink.checksums(self.session.manifest)
 
     # transports (the plug-ins' WorkerSide) ---------------------------------------------
     @property
@@ -379,14 +401,3 @@ class WeightReceiver:
         made, released = half.mappings()
         self._closed_imports[0] += made
         self._closed_imports[1] += released
-
-
-def _diverging(sent: tuple[Outcome, ...], reference: Outcome | None) -> Outcome:
-    """Of the senders serving a worker, the one to blame for bytes that differ from
-    ``reference``: the first whose own per-tensor checksums differ from it (a rank holding
-    another replica), else the first."""
-    if reference is not None:
-        for o in sent:
-            if o.value.tensor_checksums != reference.value.tensor_checksums:
-                return o
-    return sent[0]

@@ -19,10 +19,12 @@ plug-in), one round of a sync (:mod:`~weightsync.glue.round`), the report
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -39,6 +41,7 @@ from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.report import SyncReport
 from weightsync.core.wire.session import Deadlines
 from weightsync.core.wire.settings import BufferBytes, SyncSettings
+from weightsync.glue.claims import claimed
 from weightsync.glue.membership import Membership
 from weightsync.glue.metrics import SyncMetrics
 from weightsync.glue.ranks import TrainerRanks
@@ -69,6 +72,13 @@ class WeightSync:
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast
     workers, each colocated worker is served by the rank on its device, or by
     ``worker_ranks[name]``.
+
+    Several WeightSyncs may share one trainer (each with workers of its own): each has its
+    own session on the trainer's parties, picked by :attr:`label`, so their setups, syncs,
+    failures and closes never touch each other. A worker takes part in one WeightSync at a
+    time (a later setup takes it over; the earlier WeightSync's syncs then refuse it by
+    name). The syncs of two WeightSyncs on one sharded trainer must not overlap: the later
+    one is refused (:class:`~weightsync.core.wire.errors.ConcurrentSyncError`).
     """
 
     def __init__(
@@ -115,11 +125,14 @@ class WeightSync:
         self.ranks = ranks
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
-        #: How the trainer's parties name this coordinator (a push that finds its session
-        #: torn down says by which one).
+        #: Which session on the trainer's parties is this coordinator's (one per WeightSync),
+        #: and how errors name it; ``TrainerMixin.weightsync_push(sync=label)`` picks it.
         self.label = f"WeightSync {uuid.uuid4().hex[:8]}"
-        self._steps = Steps(self._members, lambda: self.deadlines, self.label)
-        self._steps.on_teardown = self._unready
+        # Nothing the parts hold refers back to this object, so a WeightSync dropped without
+        # close() is collected at once and closes its sessions (see _close_abandoned).
+        self._life = _Life()
+        self._steps = Steps(self._members, functools.partial(Deadlines, self.settings.timeout_s), self.label)
+        self._steps.on_teardown = self._life.unready
         self._setup = Setup(
             self._members,
             self._steps,
@@ -131,26 +144,24 @@ class WeightSync:
         self._round = Round(self._members, self._steps)
         self.manifest: Manifest | None = None
         self.version: int | None = None
-        self._ready = False
         #: Set by close(): a sync or verify would set up again with nobody left to close it.
         self._closed = False
         self._seq = 0
         self._lock = threading.Lock()
         self._metrics = SyncMetrics()
+        # Not at interpreter exit: the actors end with the driver then.
+        weakref.finalize(self, _close_abandoned, self._members, self.label, self._life).atexit = False
 
     @property
     def deadlines(self) -> Deadlines:
         return Deadlines(self.settings.timeout_s)
-
-    def _unready(self) -> None:
-        self._ready = False
 
     # membership -------------------------------------------------------------------------
     def add_worker(self, handle: Any, name: str | None = None) -> str:
         """Add a worker; the next sync sets up again to include it."""
         with self._lock:
             added = self._members.add(name, handle)
-            self._ready = False
+            self._life.ready = False
             return added
 
     def remove_worker(self, name: str) -> None:
@@ -190,10 +201,11 @@ class WeightSync:
             )
 
     def _set_up(self) -> Manifest:
-        self._ready = False
+        self._life.ready = False
+        self._life.opened = True  # a failed setup leaves sessions open on the parties it reached
         manifest = self._setup.run()
         self.manifest = manifest
-        self._ready = True
+        self._life.ready = True
         self._seq = 0
         return manifest
 
@@ -219,9 +231,10 @@ class WeightSync:
                     "pass force=True to sync it anyway"
                 )
             try:
-                if not self._ready:
+                if not self._life.ready:
                     self._set_up()
-                report = self._sync(version, check, force)
+                with claimed(self.ranks, self.label, f"sync of version {version}"):
+                    report = self._sync(version, check, force)
             except Exception:
                 self._metrics.failed()
                 raise
@@ -234,7 +247,9 @@ class WeightSync:
         assert self.manifest is not None
         start = time.perf_counter()
         members = list(self._members.members.values())
-        call = SyncCall(seq=self._seq, version=version, verify=verify, force=force, targets=targets(members))
+        call = SyncCall(
+            seq=self._seq, version=version, verify=verify, force=force, targets=targets(members), owner=self.label
+        )
         if self.push:
             sent, results = self._round.push(call, self._set_up)
         else:
@@ -278,7 +293,11 @@ class WeightSync:
                 self._set_up()
             assert self.manifest is not None
             handles = self._members.handles()
-            outs = self._steps.gather({(p, "checksums"): h.ws_checksums.remote() for p, h in handles.items()})
+            kwargs = self._steps.trainer_kwargs
+            with claimed(self.ranks, self.label, "verify()"):
+                outs = self._steps.gather(
+                    {(p, "checksums"): h.ws_checksums.remote(**kwargs(p)) for p, h in handles.items()}
+                )
             trainer = [outs[(r, "checksums")] for r in self.ranks.names]
             workers = {n: outs[(n, "checksums")] for n in self._members.members}
             return compare_checksums(trainer, workers, self.manifest.names)
@@ -291,11 +310,13 @@ class WeightSync:
 
     # teardown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Tear down groups and exports on every live party; the actors stay up. A later
+        """Tear down this WeightSync's groups and exports on every live party (its session on
+        the trainer's parties is dropped; other WeightSyncs' stay); the actors stay up. A later
         ``sync()`` or ``verify()`` raises :class:`ClosedError` until ``setup()`` is called."""
         with self._lock:
             self._closed = True
-            self._steps.teardown(why="close()")
+            self._steps.teardown(why="close()", forget=True)
+            self._life.opened = False
 
     def __enter__(self) -> WeightSync:
         self.setup()
@@ -303,3 +324,28 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Life:
+    """Where a WeightSync stands: ``ready`` (set up, nothing torn down since) and ``opened``
+    (it may hold sessions on its parties: a setup began, no ``close()`` since)."""
+
+    ready = False
+    opened = False
+
+    def unready(self) -> None:
+        self.ready = False
+
+
+def _close_abandoned(members: Membership, label: str, life: _Life) -> None:
+    """A WeightSync garbage-collected without ``close()``: close its sessions on every party
+    it may have set up (each call is sent, not awaited; a worker another coordinator set up
+    since keeps that one's session)."""
+    if not life.opened or not ray.is_initialized():
+        return
+    why = f"{label} (garbage-collected without close())"
+    for party, handle in members.handles().items():
+        if party in members.ranks.names:
+            handle.ws_teardown.remote(True, why, owner=label, forget=True)
+        else:
+            handle.ws_teardown.remote(True, owner=label)

@@ -152,9 +152,14 @@ class SyncCall:
     #: transport cannot tell that the sender finished and every worker with ``verify``: a
     #: worker named here never commits in its receive.
     chained: tuple[str, ...] = ()
+    #: The label of the coordinator whose session this sync runs in (``WeightSync.label``):
+    #: a trainer party keeps one session per coordinator and picks it by this; a worker set
+    #: up by another coordinator since refuses it by name. "": the party's only session.
+    owner: str = ""
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(isinstance(self.owner, str), f"a sync's owner must be a coordinator's label, got {self.owner!r}")
         _require(
             isinstance(self.chained, tuple) and all(isinstance(w, str) for w in self.chained),
             f"chained must be a tuple of worker names, got {self.chained!r}",

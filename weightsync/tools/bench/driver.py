@@ -139,6 +139,7 @@ class Bench:
         cuda = args.device == "cuda"
         parties = [trainer, workers[0]]
         built = self.get(trainer.ws_manifest.remote(SyncSettings(buffer_bytes=args.buffer_mib[0] * MIB)))
+        self.get(trainer.ws_teardown.remote(forget=True))  # that session was only for the manifest
         if not built.ok:
             raise WeightSyncError(f"the bench's trainer could not build its manifest: {built.line()}")
         manifest = built.value
@@ -324,7 +325,7 @@ class Bench:
 
         def one() -> None:
             for chunk in manifest.chunks:
-                handle = self.get(trainer.pack_chunk.remote(chunk.index, 0))
+                handle = self.get(trainer.pack_chunk.remote(chunk.index, 0, ws.label))
                 self.get(worker.consume_chunk.remote(handle))
 
         self.timed(
