@@ -293,6 +293,37 @@ def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two:
         ws.close()
 
 
+@pytest.mark.parametrize("transport,name", [("owners", "i1"), ("owner-writes", "d0")])
+def test_a_rank_whose_shard_changed_after_setup_is_refused_by_name(
+    two: dict[str, Any], transport: str, name: str
+) -> None:
+    """Rank 1's rows of a matrix replaced by one row under the same global shape: the sync is
+    refused before any byte moves, naming rank 1 and the tensor (with verify too, where it
+    used to be blamed on the worker), instead of the worker taking 128 copies of that row."""
+    ranks, worker = two["ranks"], {name: two["workers"][name]}
+    with WeightSync(ranks, worker, transport=transport, buffer_bytes=BUFFER, timeout_s=30) as ws:
+        for version, verify in ((50, False), (52, True)):
+            ws.sync(version)  # after the failure: set up again, with every shard as it is now
+            held = get(worker[name].call.remote(fm.state))
+            assert get(ranks[1].call.remote(partial(fm.shrink_shard, name="blocks.0.0.weight"))) == (1, 128)
+            try:
+                with pytest.raises(SyncError) as refused:
+                    ws.sync(version + 1, verify=verify)
+            finally:
+                get(ranks[1].call.remote(fm.restore_shard))
+            err = refused.value
+            assert err.culprits == ["trainer-rank-1"], str(err)
+            why = err.outcomes["trainer-rank-1"]
+            assert why.error == "ModelChangedError" and "blocks.0.0.weight" in why.message, why
+            assert "[1, 128]" in why.message and "[128, 128]" in why.message, why.message
+            assert err.held[name][0] == version and err.held[name][1] in ("committed", "dirty"), err.held
+            for key, tensor in get(worker[name].call.remote(fm.state)).items():
+                assert_bit_equal(tensor, held[key], key)
+        train(ranks, 1, seed=54)
+        ws.sync(54, verify=True)
+        assert_synced(ranks, worker)
+
+
 def test_a_rank_killed_while_sending_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:
     ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
     ws = WeightSync(ranks, workers, transport="owners", buffer_bytes=BUFFER, timeout_s=30)

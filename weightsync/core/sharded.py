@@ -11,7 +11,8 @@ Every rank must issue the same collectives in the same order, even when the rank
 different transports (rank 0 broadcasts to remote workers, each rank writes its own
 colocated workers, a rank may have no worker at all). The rule, per sync::
 
-    checks          the model still matches the manifest (else: refused)
+    checks          the model still matches the manifest, each rank's own shards included
+                    (their local shapes and offsets as at setup); else: refused
     agreement       one all-reduce (MAX) of [walks this rank needs, refused, whose sync]:
                     every rank learns the sync's number of walks W, that a rank refused,
                     or that the ranks run syncs of different WeightSyncs (all stop)
@@ -107,6 +108,8 @@ class ShardedSender(WeightSender):
         if self.transform is not None or self.source is not None:
             raise SettingsError(f"{self.name}: a sharded trainer sends its module's tensors; no transform or source")
         self._buckets: list[range] = []
+        #: Per manifest tensor, this rank's shard of it as set up (None: a plain tensor).
+        self._shards: list[LocalShard | None] = []
 
     def _dtensors(self) -> list[DTensor]:
         return [t for _, t in self.named_tensors() if is_dtensor(t)]
@@ -155,10 +158,29 @@ class ShardedSender(WeightSender):
 
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
         manifest = super().manifest(settings, hints, owner)
-        sizes = [t.numel() * t.element_size() for _, t in self.named_tensors()]
+        pairs = self.named_tensors()
+        sizes = [t.numel() * t.element_size() for _, t in pairs]
         budget = settings.gather_bytes if settings.gather_bytes is not None else manifest.agreed.buffer_bytes
         self._buckets = plan_buckets(sizes, budget)
+        self._shards = [LocalShard.of(t) for _, t in pairs]
         return manifest
+
+    def _changes(self, manifest: Manifest, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """Also each shard this rank holds: a local shape or offset that moved since setup
+        (a shard replaced under an unchanged global shape) would send, or gather, rows the
+        workers' plan does not describe."""
+        problems = super()._changes(manifest, pairs)
+        if problems or len(self._shards) != len(pairs):
+            return problems
+        for (name, tensor), then in zip(pairs, self._shards):
+            if then.holds(tensor) if then is not None else not is_dtensor(tensor):
+                continue
+            now = LocalShard.of(tensor)
+            was = then.describe() if then is not None else "a plain tensor"
+            problems.append(
+                f"{name}'s part on this rank is now {now.describe() if now is not None else 'a plain tensor'}, was {was}"
+            )
+        return problems
 
     def checked_sources(self) -> Sources:
         """This sync's tensors (DTensors as they are, not gathered), checked against the manifest."""
@@ -247,3 +269,48 @@ class ShardedSender(WeightSender):
 def owner_hash(owner: str) -> int:
     """A coordinator's label as a non-negative int below 2**56, the same in every process."""
     return int.from_bytes(hashlib.blake2b(owner.encode(), digest_size=7).digest(), "big")
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """What one rank holds of one DTensor: its local shape, where its shard starts in the
+    global tensor, and the placements and mesh that put it there."""
+
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    placements: tuple[Any, ...]
+    mesh: Any
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> LocalShard | None:
+        """``tensor``'s shard on this rank; None for a plain tensor."""
+        if not is_dtensor(tensor):
+            return None
+        placements = tuple(tensor.placements)
+        return cls(tuple(tensor.to_local().shape), _offset(tensor), placements, tensor.device_mesh)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is still laid out so on this rank (the offset follows from the
+        global shape, checked on its own, the placements and the mesh)."""
+        if not is_dtensor(tensor):
+            return False
+        return (
+            tuple(tensor.to_local().shape) == self.shape
+            and tuple(tensor.placements) == self.placements
+            and (tensor.device_mesh is self.mesh or tensor.device_mesh == self.mesh)
+        )
+
+    def describe(self) -> str:
+        at = f" at offset {list(self.offset)}" if self.offset else ""
+        return f"a shard of {list(self.shape)}{at} ({', '.join(map(str, self.placements))})"
+
+
+def _offset(tensor: DTensor) -> tuple[int, ...]:
+    """Where this rank's shard of ``tensor`` starts in the global tensor, as its placements
+    put it (torch's own rule; () on a torch without it: the message then gives shapes only)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return ()
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tuple(tensor.placements))
+    return tuple(int(o) for o in offset)
