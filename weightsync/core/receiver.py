@@ -30,7 +30,7 @@ from weightsync.core.checking import check_commit
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
 from weightsync.core.plugin import Listening
-from weightsync.core.sinks import ModuleSink, Sink
+from weightsync.core.sinks import ModuleSink, Sink, taken_overflows, watch_casts
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import (
     ChecksumMismatch,
@@ -109,7 +109,7 @@ class WeightReceiver:
         worker (named when it fails), ``timeout_s`` bounds every wait, ``owner`` labels the
         coordinator setting it up. Returns the tensors this worker's sink casts on load (held
         in another floating dtype than the wire's; only a sink with ``casts_on_load`` may),
-        also kept as :attr:`casts`.
+        also kept as :attr:`casts` and handed to the sink (which may count overflows).
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
@@ -126,6 +126,7 @@ class WeightReceiver:
         self._session = session
         self.owner = owner
         self.casts = casts
+        watch_casts(self.sink, casts)
         return casts
 
     def foreign(self, owner: str) -> bool:
@@ -185,6 +186,7 @@ class WeightReceiver:
                     f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
                     "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
                 )
+            taken_overflows(self.sink)  # what an earlier sync that failed midway counted
             checksums, stale = half.receive(self.sink, call, self._begin)
             if call.verify and not stale:
                 held = self.sink.checksums(self.session.manifest)
@@ -210,6 +212,7 @@ class WeightReceiver:
             stale=stale,
             transport=half.kind,
             held=held,
+            overflows=taken_overflows(self.sink),
         )
 
     def receive_pushed(self, call: SyncCall) -> ReceiveResult:
@@ -270,6 +273,7 @@ class WeightReceiver:
             state=self.state.value,
             checksums=[],
             seconds=got.seconds,
+            overflows=got.overflows,
         )
 
     def settle(self, owner: str = "") -> tuple[int | None, str]:

@@ -18,6 +18,8 @@ from torch import nn
 
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
+from weightsync.core.wire.casts import TensorCast, overflows
+from weightsync.core.wire.dtypes import dtype_from_name
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -119,6 +121,21 @@ class Sink(Landing, Protocol):
         cannot tell (nothing received yet). What ``verify`` compares with the trainer's: a
         sink that writes tensors in place reads them back; one that transforms them on load
         gives the checksums of the bytes it was handed (and says so in its docs)."""
+
+
+def watch_casts(sink: Sink, casts: Sequence[TensorCast]) -> None:
+    """Hand ``sink`` the casts the handshake accepted, when it counts overflows (see
+    :meth:`LoadWeightsSink.watch_casts`)."""
+    watch = getattr(sink, "watch_casts", None)
+    if callable(watch):
+        watch(casts)
+
+
+def taken_overflows(sink: Sink) -> dict[str, int]:
+    """Per tensor, the values ``sink``'s casts on load turned into inf since the last call
+    (``{}`` for a sink that does not count them)."""
+    take = getattr(sink, "take_overflows", None)
+    return take() if callable(take) else {}
 
 
 def _check_held(manifest: Manifest, held: Sequence[torch.Tensor]) -> None:
@@ -229,7 +246,9 @@ class LoadWeightsSink:
     ``load_weights`` must copy each tensor into its own (with ``copy_``, as vLLM's loaders
     do), which casts: ``expected_specs`` may name a floating dtype other than the wire's,
     and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
-    are of the bytes handed over, in the wire's dtype.
+    are of the bytes handed over, in the wire's dtype. For each cast that narrows the range
+    (fp16 held from an fp32 or bf16 wire) it counts, per sync, the values the cast turns
+    into ``inf`` (:meth:`watch_casts`, :meth:`take_overflows`).
 
     ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
     commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
@@ -257,8 +276,24 @@ class LoadWeightsSink:
         self._staged: list[tuple[str, torch.Tensor]] = []
         #: Checksums of the staged tensors: what the sink will hold once they land.
         self._staged_sums: dict[str, torch.Tensor] = {}
+        #: Per tensor whose cast narrows the range, the dtype it is held in; this sync's
+        #: count of values that cast turns into ``inf``, per such tensor.
+        self._narrowed: dict[str, torch.dtype] = {}
+        self._overflows: dict[str, torch.Tensor] = {}
         self.staged = False
         self.set_staged(staged)
+
+    def watch_casts(self, casts: Iterable[TensorCast]) -> None:
+        """The casts the handshake accepted (the receiver passes them on): from now on each
+        tensor cast to a narrower range is counted for values that overflow to ``inf``."""
+        self._narrowed = {c.name: dtype_from_name(c.held) for c in casts if c.loses == "range"}
+        self._overflows = {}
+
+    def take_overflows(self) -> dict[str, int]:
+        """Per tensor handed over since the last call, how many values its cast turned into
+        ``inf`` (tensors without any left out); counting starts afresh."""
+        counts, self._overflows = self._overflows, {}
+        return {name: n for name, count in counts.items() if (n := int(count))}
 
     def set_staged(self, staged: bool) -> None:
         """Stage whole syncs (see the class doc) from the next sync on; refused while a
@@ -298,6 +333,10 @@ class LoadWeightsSink:
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
+            for name, tensor in items:
+                held = self._narrowed.get(name)
+                if held is not None:
+                    self._overflows[name] = overflows(tensor, held)
             if self._record:
                 sums = self._staged_sums if self.staged else self._received
                 for name, tensor in items:

@@ -239,8 +239,10 @@ class WeightSync:
                 self._metrics.failed()
                 raise
             self._metrics.record(report)
-            if log.isEnabledFor(logging.INFO):
-                log.info(report.summary())
+            # Values a worker's cast on load turned into inf are worth a warning every time.
+            level = logging.WARNING if any(w.overflows for w in report.workers) else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, report.summary())
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:

@@ -38,6 +38,7 @@ def build_report(
                 seconds=r.seconds,
                 held_off_s=r.held_off_s,
                 casts=count_casts(m.casts),
+                overflows=dict(r.overflows),
             )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]

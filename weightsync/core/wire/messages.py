@@ -225,6 +225,9 @@ class ReceiveResult:
     #: order, which that part's commit checks (its chunks against its own rank's); the
     #: fields above then describe the worker as a whole.
     parts: tuple[ReceiveResult, ...] = ()
+    #: Per tensor its sink cast to a narrower range on load (fp16 from fp32 or bf16), how
+    #: many values became ``inf`` in this sync; tensors without any are left out.
+    overflows: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
