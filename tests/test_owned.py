@@ -64,6 +64,18 @@ class _Rank(TrainerHost):
 
         self._ws().halves["owner-writes"].on_write = hook  # type: ignore[attr-defined]
 
+    def freeze_mid_copy(self, worker: str, copied: int) -> None:
+        """Stop this process (SIGSTOP) once it copied ``copied`` tensors into ``worker``."""
+        seen: list[int] = []
+
+        def hook(name: str, index: int) -> None:
+            if name == worker:
+                seen.append(index)
+                if len(seen) == copied + 1:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+
+        self._ws().halves["owner-writes"].on_copy = hook  # type: ignore[attr-defined]
+
     def walk_stats(self) -> tuple[int, int, int]:
         """The last sync's buckets gathered, the buckets of one pass over the model, and the
         most bytes of gathered tensors held at once."""
@@ -233,6 +245,34 @@ def test_a_rank_frozen_before_writing_is_named_and_writes_nothing_late(two: dict
         version, state = get(worker.ws_status.remote())
         assert version == 35 and state in ("committed", "dirty"), (version, state)
         get(ranks[1].pid.remote())  # the thawed rank has answered
+        for name, tensor in get(worker.call.remote(fm.state)).items():
+            assert_bit_equal(tensor, held[name], f"{name} written after the worker gave up")
+    finally:
+        ws.close()
+
+
+def test_a_rank_frozen_mid_copy_writes_nothing_more_once_thawed(two: dict[str, Any]) -> None:
+    """Rank 1 stops (SIGSTOP) after copying 3 of its tensors into the worker; the worker
+    gives up at its deadline (dirty at its old version). Thawed, rank 1 finds the worker's
+    abort words before its next tensor and stops: the worker's bytes stay as they were when
+    it gave up (the rank used to go on writing every tensor it had left)."""
+    ranks, worker = two["ranks"], two["workers"]["d0"]
+    pid = get(ranks[1].pid.remote())
+    ws = WeightSync(ranks, {"d0": worker}, transport="owner-writes", timeout_s=10)
+    try:
+        ws.sync(37)
+        train(ranks, 1, seed=38)
+        get(ranks[1].freeze_mid_copy.remote("d0", 3))
+        try:
+            with pytest.raises(SyncError) as failed:
+                ws.sync(38)
+            held = get(worker.call.remote(fm.state))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        err = failed.value
+        assert err.culprits == ["trainer-rank-1"], str(err)
+        assert err.held == {"d0": (37, "dirty")}, err.held  # rank 0's part and 3 of rank 1's landed
+        get(ranks[1].pid.remote())  # queued behind its send: the thawed rank has finished it
         for name, tensor in get(worker.call.remote(fm.state)).items():
             assert_bit_equal(tensor, held[name], f"{name} written after the worker gave up")
     finally:
