@@ -533,6 +533,15 @@ class DirectWriter(_TornDown, SendHalf):
         self._publish(mapped.control, seq, checksums)
         return True
 
+    def abandon(self, worker: str, seq: int) -> None:
+        """Give up on ``worker`` in sync ``seq`` before writing anything into it (push mode:
+        it could not be woken): its abort words say so, so a receive of that sync that
+        starts late fails at once, before its first byte, and leaves the weights alone."""
+        mapped = self._mapped.get(worker)
+        if mapped is not None:
+            mapped.control.epoch = seq + 1
+            mapped.control.abort(self.writer + 1)
+
     def _still_wanted(self, worker: str, mapped: _Mapped, index: int, seq: int) -> None:
         """Before each tensor copied on its own: stop, writing nothing more, once anyone gave
         up on this sync (the worker's wait ran out: a writer frozen mid-copy and thawed

@@ -84,7 +84,8 @@ def armed(side: TrainerSide) -> bool:
 def push_sync(side: TrainerSide, call: SyncCall, owner: str = "") -> PushResult:
     """One pushed sync from the trainer party ``side`` (see :class:`Pusher`); ``side`` is
     ``owner``'s session already, picked by the trainer party."""
-    return pusher_of(side).push(side.send, call)
+    half = side.half(PUSH.over)
+    return pusher_of(side).push(side.send, call, getattr(half, "abandon", None))
 
 
 PUSH = Mode(
