@@ -123,7 +123,9 @@ class Pusher:
                     box.mailbox.withdraw(call.seq, replaced)
                     if abandon is not None:
                         abandon(worker, call.seq)
-                    answers[worker] = PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
+                    # Silent, as a frozen worker is: the coordinator asks it nothing more (a
+                    # settle or teardown would wait another deadline for it).
+                    answers[worker] = PushAnswer(outcome=_unwoken(worker, exc), version=None, state="unknown")
                     continue
             if not pid_alive(box.export.pid):
                 answers[worker] = PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
@@ -204,3 +206,8 @@ class Pusher:
 
 def _lost(worker: str, status: Status) -> Outcome:
     return Outcome(party=worker, phase="receive", status=status)
+
+
+def _unwoken(worker: str, exc: TransferTimeout) -> Outcome:
+    """``worker`` could not be woken by the deadline (its doorbell's queue stayed full)."""
+    return Outcome(party=worker, phase="receive", status=Status.TIMED_OUT, error=type(exc).__name__, message=str(exc))
