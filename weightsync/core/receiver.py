@@ -29,6 +29,7 @@ from torch import nn
 from weightsync.core.checking import check_commit
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
+from weightsync.core.ownership import foreign, refuse_foreign
 from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink, taken_overflows, watch_casts
 from weightsync.core.wire.casts import TensorCast
@@ -36,7 +37,6 @@ from weightsync.core.wire.errors import (
     ChecksumMismatch,
     ManifestError,
     PeerAborted,
-    SessionTornDown,
     VersionError,
     WeightSyncError,
 )
@@ -75,7 +75,8 @@ class WeightReceiver:
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
         self._session: Session | None = None
-        #: The label of the coordinator that set it up last ("": none given); see :meth:`foreign`.
+        #: The label of the coordinator that set it up last ("": none given): see
+        #: :mod:`weightsync.core.ownership`.
         self.owner = ""
         #: The tensors the sink casts on load, from the last accepted Manifest.
         self.casts: tuple[TensorCast, ...] = ()
@@ -129,20 +130,6 @@ class WeightReceiver:
         watch_casts(self.sink, casts)
         return casts
 
-    def foreign(self, owner: str) -> bool:
-        """True when coordinator ``owner`` is not the one that set this worker up last (a
-        worker takes part in one coordinator's session at a time: a later setup takes it
-        over), so ``owner``'s calls must not touch the session. An empty label is anyone's."""
-        return bool(owner) and bool(self.owner) and owner != self.owner
-
-    def _check_owner(self, call: SyncCall) -> None:  # before the half: it is another session's
-        if self.foreign(call.owner):
-            raise SessionTornDown(
-                f"{self.name}: set up by {self.owner} since, which took this worker over from {call.owner}: a "
-                "worker takes part in one WeightSync at a time; give each WeightSync workers of its own (or close "
-                "the other one), then this one's next sync sets it up again"
-            )
-
     @property
     def session(self) -> Session:
         if self._session is None:
@@ -170,7 +157,7 @@ class WeightReceiver:
     def receive(self, call: SyncCall) -> ReceiveResult:
         """This worker's side of sync ``call``: check, take the bytes, commit (not broadcast)."""
         start = time.perf_counter()
-        self._check_owner(call)
+        refuse_foreign(self.name, self.owner, call.owner)
         half = self.active_half
         if half is None:
             raise WeightSyncError(f"{self.name}: no transport is open; run setup()")
@@ -236,7 +223,7 @@ class WeightReceiver:
         serving this worker is named)."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
-        self._check_owner(call)
+        refuse_foreign(self.name, self.owner, call.owner)
         if not sent:
             raise WeightSyncError(f"{self.name}: asked to commit without any sender's answer (a weightsync bug)")
         failed_senders = [o.party for o in sent if not o.ok]
@@ -280,7 +267,7 @@ class WeightReceiver:
         """After a failed sync of coordinator ``owner``: a worker still receiving is dirty
         (its bytes may be a mix); a staging sink drops what it kept (its model was never
         touched). A worker another coordinator took over since only says what it holds."""
-        if self.foreign(owner):
+        if foreign(self.owner, owner):
             return self.status()
         if self.state is WorkerState.RECEIVING:
             self._fail()

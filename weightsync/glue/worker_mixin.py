@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.ownership import foreign
 from weightsync.core.plugin import Plugin
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink, Sink
@@ -130,7 +131,7 @@ class WorkerMixin:
 
         def teardown() -> None:
             receiver = getattr(self, "_ws_receiver", None)
-            if receiver is not None and not receiver.foreign(owner):
+            if receiver is not None and not foreign(receiver.owner, owner):
                 receiver.close_transports(abort)
 
         return answer(self._me(), "teardown", teardown)
