@@ -172,9 +172,13 @@ class ShardedSender(WeightSender):
         problems = super()._changes(manifest, pairs)
         if problems or len(self._shards) != len(pairs):
             return problems
-        for (name, tensor), then in zip(pairs, self._shards):
-            if then.holds(tensor) if then is not None else not is_dtensor(tensor):
-                continue
+        with torch.no_grad():  # to_local() outside autograd costs a third
+            moved = [
+                (name, tensor, then)
+                for (name, tensor), then in zip(pairs, self._shards)
+                if not (then.holds(tensor) if then is not None else not is_dtensor(tensor))
+            ]
+        for name, tensor, then in moved:
             now = LocalShard.of(tensor)
             was = then.describe() if then is not None else "a plain tensor"
             problems.append(
