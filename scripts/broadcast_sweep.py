@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-MIB = 2**20
+from weightsync.core.wire.settings import MIB
+
 TIMEOUT_S = 300.0
 
 

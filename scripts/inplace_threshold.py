@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch import nn
 
+from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S, MIB
+
 
 class Flat(nn.Module):
     def __init__(self, count: int, numel: int, seed: int) -> None:
@@ -42,29 +44,32 @@ def rank_main(rank: int, world: int, port: int, args: Any, size: int, inplace: i
     from weightsync.transports.broadcast.halves import BroadcastReceiver, BroadcastSender
 
     torch.set_num_threads(1)
-    count = max(1, args.total_mib * 2**20 // size)
+    count = max(1, args.total_mib * MIB // size)
     settings = SyncSettings(
-        buffer_bytes=args.buffer_mib * 2**20, num_buffers=args.num_buffers, inplace_bytes=inplace, timeout_s=120.0
+        buffer_bytes=args.buffer_mib * MIB,
+        num_buffers=args.num_buffers,
+        inplace_bytes=inplace,
+        timeout_s=DEFAULT_TIMEOUT_S,
     )
     model = Flat(count, size // 4, rank)
     manifest = WeightSender(Flat(count, size // 4, 0)).manifest(settings)
     members = ["trainer", *(f"r{i}" for i in range(1, world))]
-    comm = GlooCommunicator("127.0.0.1", port, rank, world, "thr", 120.0)
+    comm = GlooCommunicator("127.0.0.1", port, rank, world, "thr", DEFAULT_TIMEOUT_S)
     if rank == 0:
         endpoint: Any = WeightSender(model)
         endpoint.manifest(settings)
     else:
         endpoint = WeightReceiver(model, name=members[rank])
-        endpoint.accept(manifest, timeout_s=120.0)
+        endpoint.accept(manifest, timeout_s=DEFAULT_TIMEOUT_S)
     half = BroadcastSender if rank == 0 else BroadcastReceiver
     endpoint.install(half(comm, endpoint.session, members))
     times = []
     for seq in range(args.repeats + 1):
-        comm.agree(False, time.monotonic() + 120)
+        comm.agree(False, time.monotonic() + DEFAULT_TIMEOUT_S)
         t0 = time.perf_counter()
         call = SyncCall(seq=seq, version=seq + 1)
         endpoint.send(call) if rank == 0 else endpoint.receive(call)
-        comm.agree(False, time.monotonic() + 120)
+        comm.agree(False, time.monotonic() + DEFAULT_TIMEOUT_S)
         times.append(time.perf_counter() - t0)
     endpoint.close_transports()
     if rank == 0:
@@ -104,7 +109,7 @@ def main() -> None:
         size = kib * 1024
         packed = measure(args, size, 0)
         inplace = measure(args, size, size)
-        count = max(1, args.total_mib * 2**20 // size)
+        count = max(1, args.total_mib * MIB // size)
         print(
             f"{kib:>10} {count:>8} {packed * 1e3:>10.1f} {inplace * 1e3:>12.1f} {inplace / packed:>15.2f}x", flush=True
         )

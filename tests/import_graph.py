@@ -18,6 +18,32 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "weightsync"
 
 
+#: The layers, bottom up: a module belongs to the longest prefix that names it, and imports
+#: only from its own layer or those below (docs/architecture.md draws the same picture, and
+#: tests/test_architecture_doc.py checks that it does).
+LAYERS = {
+    "weightsync.core.wire": 0,
+    "weightsync.mechanisms": 1,
+    "weightsync.core": 2,
+    "weightsync.transports": 3,
+    "weightsync": 4,  # the package's face (__init__, packed_tensor): what users and vllm/ import
+    "weightsync.glue": 4,
+    "weightsync.compat": 4,
+    "weightsync.vllm": 5,
+    "weightsync.tools": 6,
+    "weightsync.__main__": 7,
+}
+
+
+def layer_prefix(module: str) -> str:
+    """The entry of :data:`LAYERS` that ``module`` belongs to."""
+    return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+
+
+def layer(module: str) -> int:
+    return LAYERS[layer_prefix(module)]
+
+
 def module_name(path: Path) -> str:
     """``weightsync/core/wire/__init__.py`` -> ``weightsync.core.wire``."""
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")

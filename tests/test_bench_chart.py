@@ -99,7 +99,7 @@ def test_a_case_weightsync_refuses_is_skipped_and_any_other_setup_failure_fails_
     from weightsync.core.wire.outcome import Outcome, Status
     from weightsync.tools.bench.driver import Bench
 
-    bench = Bench(argparse.Namespace(timeout=5.0))
+    bench = Bench(argparse.Namespace(timeout_s=5.0))
     refusal = Outcome(party="w0", phase="setup", status=Status.FAILED, error="ManifestError", message="dtype")
     bench.not_run("1mb", "direct", SetupError("w0 refused", {"w0": refusal}, ["w0"]))
     frozen = Outcome(party="w1", phase="setup", status=Status.TIMED_OUT, error="", message="no answer")

@@ -68,8 +68,8 @@ def test_an_unknown_bench_transport_is_named_among_good_ones(capsys: pytest.Capt
 
 def test_good_values_parse() -> None:
     args = build_parser().parse_args(["demo", "--steps", "1", "--workers", "3", "--buffer-mib", "0.5"])
-    assert (args.steps, args.workers, args.buffer_mib) == (1, 3, 512 * 1024)
-    assert build_parser().parse_args(["demo", "--timeout", "0.5"]).timeout == 0.5
+    assert (args.steps, args.workers, args.buffer_bytes) == (1, 3, 512 * 1024)
+    assert build_parser().parse_args(["demo", "--timeout", "0.5"]).timeout_s == 0.5
     bench = build_parser().parse_args(["bench", "--repeats", "2", "--transports", "ipc,direct", "--sizes", "1mb"])
     assert (bench.repeats, bench.transports, bench.sizes) == (2, ["ipc", "direct"], ["1mb"])
     assert bench.sharded_ranks is None  # the run picks its default (CPU: 2 ranks)

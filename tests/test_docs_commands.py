@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import ROOT
 from weightsync.tools.cli import build_parser
+from weightsync.vllm.local_server import MODULE as VLLM_SERVER
 
 REPO = Path(ROOT)
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -199,6 +200,9 @@ def check(words: list[str], shown: Shown) -> None:
         elif rest[:2] == ["-m", "pytest"]:
             for arg in rest[2:]:
                 check_path(arg, shown)
+        elif rest[:2] == ["-m", VLLM_SERVER]:
+            for option in ("--model", "--weight-transfer-config"):
+                assert option in rest, f"{shown}: a vLLM server for weightsync needs {option}"
         else:
             check_script(rest[0], rest[1:], shown)
     elif first == ".venv/bin/ray":
@@ -256,6 +260,7 @@ def test_a_bare_interpreter_or_a_missing_file_or_option_is_caught() -> None:
         ".venv/bin/python scripts/sync_timeline.py --no-such-flag",
         ".venv/bin/python -m weightsync bench --sizes 1mb --quick --plot docs/bench-cpu.svg",
         ".venv/bin/python -m weightsync demo --json README.md",
+        ".venv/bin/python -m vllm.entrypoints.openai.api_server --model DIR",
     ]
     for text in bad:
         with pytest.raises((AssertionError, SystemExit)):

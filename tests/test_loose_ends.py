@@ -27,7 +27,7 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushResult
 from weightsync.glue.ranks import TrainerRanks
 from weightsync.mechanisms.mailbox import Mailbox
-from weightsync.transports.direct.halves import _ANNOUNCED
+from weightsync.transports.direct.handoff import ANNOUNCED
 from weightsync.transports.push.messages import PushExport
 from weightsync.transports.push.plugin import PUSH, pusher_of
 from weightsync.transports.push.pusher import Pusher
@@ -148,7 +148,7 @@ def test_a_workers_teardown_while_its_listener_waits_for_the_trainer_ends_that_s
         thread.start()
         assert held.wait(30), "the push never reached its write"
         deadline = time.monotonic() + 30
-        while control[_ANNOUNCED] != 1:  # the worker announced sync 0: it waits for the bytes
+        while control[ANNOUNCED] != 1:  # the worker announced sync 0: it waits for the bytes
             assert time.monotonic() < deadline, "the worker never announced the push"
             time.sleep(0.005)
         receiver.close_transports(abort=True)

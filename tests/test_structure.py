@@ -1,167 +1,19 @@
-"""The pure pieces of the restructured core, without Ray: settings, transport choice, blame
-from outcomes, deadlines, and the layering rules (the control block: test_control_block.py)."""
+"""The package's structure: its layers, its import graph (no cycles; every module imports
+first in a fresh interpreter), the transport folders and the registry, what importing it
+loads, and the size of its modules and functions."""
 
 from __future__ import annotations
 
-import math
-import pickle
+import ast
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-import torch
-
 from tests import import_graph
-from tests.helpers import session_of
+from tests.import_graph import LAYERS, layer
 from weightsync.core import registry
-from weightsync.core.choice import choose_transport
-from weightsync.core.packing import tensor_checksums
-from weightsync.core.wire import (
-    EndpointInfo,
-    Outcome,
-    PeerAborted,
-    SettingsError,
-    Status,
-    StreamTimeout,
-    SyncSettings,
-    TransferTimeout,
-    assign_blame,
-)
-from weightsync.core.wire.outcome import failed
-from weightsync.core.wire.session import Deadlines
 
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
-
-
-# --- settings --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("buffer_bytes", 1000),  # not a multiple of 256
-        ("buffer_bytes", 0),
-        ("buffer_bytes", 2.5),
-        ("alignment", 24),
-        ("alignment", 8),
-        ("num_buffers", 0),
-        ("timeout_s", math.nan),
-        ("timeout_s", math.inf),
-        ("timeout_s", 0),
-        ("timeout_s", -1.0),
-        ("timeout_s", True),
-        ("verify", 1),
-    ],
-)
-def test_settings_refuse_each_bad_value_naming_the_field(field: str, value: object) -> None:
-    with pytest.raises(SettingsError, match=field):
-        SyncSettings(**{field: value})  # type: ignore[arg-type]
-
-
-def test_settings_overrides_keep_what_is_none_and_refuse_unknown_names() -> None:
-    base = SyncSettings(buffer_bytes=4096)
-    assert base.with_overrides(timeout_s=None, num_buffers=3) == SyncSettings(buffer_bytes=4096, num_buffers=3)
-    with pytest.raises(SettingsError, match="bufer_bytes"):
-        base.with_overrides(bufer_bytes=1)
-    with pytest.raises(TypeError):
-        SyncSettings(4096)  # type: ignore[misc]  # keyword-only
-
-
-# --- transport choice ------------------------------------------------------------------
-
-
-def info(node: str = "n1", device: str = "cpu", gpu: str | None = None, direct: bool = True) -> EndpointInfo:
-    return EndpointInfo(
-        node_id=node, node_ip="127.0.0.1", hostname="h", pid=1, device=device, gpu_uuid=gpu, sink_allows_direct=direct
-    )
-
-
-def test_auto_picks_direct_then_ipc_on_one_device_and_broadcast_elsewhere() -> None:
-    trainer = info()
-    assert choose_transport(trainer, info(), "auto", "w") == "direct"
-    assert choose_transport(trainer, info(direct=False), "auto", "w") == "ipc"
-    assert choose_transport(trainer, info(node="n2"), "auto", "w") == "broadcast"
-    gpu = info(device="cuda", gpu="GPU-a")
-    assert choose_transport(gpu, info(device="cuda", gpu="GPU-a"), "auto", "w") == "direct"
-    assert choose_transport(gpu, info(device="cuda", gpu="GPU-b"), "auto", "w") == "broadcast"
-
-
-def test_requests_the_layout_cannot_serve_are_refused_naming_the_worker() -> None:
-    gpu = info(device="cuda", gpu="GPU-a")
-    with pytest.raises(SettingsError, match="far.*broadcast"):
-        choose_transport(info(), info(node="n2"), "ipc", "far")
-    with pytest.raises(SettingsError, match="loader.*ipc"):
-        choose_transport(info(), info(direct=False), "direct", "loader")
-    with pytest.raises(SettingsError, match="same-gpu.*NCCL"):
-        choose_transport(gpu, info(device="cuda", gpu="GPU-a"), "broadcast", "same-gpu")
-    with pytest.raises(SettingsError, match="w.*'carrier-pigeon'"):
-        choose_transport(info(), info(), "carrier-pigeon", "w")
-
-
-# --- outcomes and blame ----------------------------------------------------------------
-
-
-def out(party: str, status: Status = Status.OK, exc: BaseException | None = None) -> Outcome:
-    if exc is not None:
-        return failed(party, "sync", exc)
-    return Outcome(party=party, phase="sync", status=status)
-
-
-def test_a_frozen_worker_is_blamed_not_the_trainer_that_timed_out_waiting_for_it() -> None:
-    outcomes = {
-        "trainer": out("trainer", exc=TransferTimeout("late", blames=["w1"])),
-        "w0": out("w0", exc=PeerAborted("trainer aborted", blames=["trainer"])),
-        "w1": out("w1", Status.TIMED_OUT),
-    }
-    assert assign_blame(outcomes) == ["w1"]
-
-
-def test_a_failure_of_its_own_is_blamed_and_its_consequences_are_not() -> None:
-    outcomes = {
-        "trainer": out("trainer", exc=PeerAborted("w1 refused", blames=["w1"])),
-        "w0": out("w0", exc=PeerAborted("w1 refused", blames=["w1"])),
-        "w1": out("w1", exc=ValueError("version 1 is older than 3")),
-    }
-    assert assign_blame(outcomes) == ["w1"]
-    assert assign_blame({"trainer": out("trainer", Status.DEAD), "w0": out("w0", exc=PeerAborted("gone"))}) == [
-        "trainer"
-    ]
-
-
-def test_when_only_consequences_remain_every_failing_party_is_blamed() -> None:
-    outcomes = {
-        "trainer": out("trainer", exc=TransferTimeout("slow")),
-        "w0": out("w0", exc=TransferTimeout("slow")),
-        "w1": out("w1"),
-    }
-    assert assign_blame(outcomes) == ["trainer", "w0"]
-    assert assign_blame({"w0": out("w0")}) == []
-
-
-def test_errors_keep_their_blame_across_pickling_and_outcomes_refuse_an_ok_with_an_error() -> None:
-    again = pickle.loads(pickle.dumps(PeerAborted("w1 failed", blames=["w1"])))
-    assert isinstance(again, PeerAborted) and again.blames == ("w1",) and again.consequence
-    with pytest.raises(Exception, match="ok outcome"):
-        Outcome(party="w0", phase="sync", status=Status.OK, error="ValueError")
-
-
-# --- deadlines and checksums -----------------------------------------------------------
-
-
-def test_deadlines_let_the_leader_fail_first_and_the_coordinator_last() -> None:
-    d = Deadlines(10.0)
-    assert d.leader(0) < d.follower(0) < d.coordinator_s <= 10.0 + 10.0
-    assert Deadlines(1000.0).grace_s == 10.0
-
-
-def test_tensor_checksums_see_one_flipped_bit_in_any_dtype() -> None:
-    tensors = [torch.randn(7, 3), torch.randn(5).to(torch.bfloat16), torch.randint(0, 9, (3,), dtype=torch.uint8)]
-    before = tensor_checksums(tensors)
-    tensors[1].view(torch.uint8)[3] ^= 4
-    after = tensor_checksums(tensors)
-    assert before[0] == after[0] and before[2] == after[2] and before[1] != after[1]
 
 
 # --- layering --------------------------------------------------------------------------
@@ -193,29 +45,10 @@ dist.destroy_process_group()
     assert done.stdout.split() == ["[]", "False", "True", "False", "False"], done.stdout
 
 
-#: The layers, bottom up: a module belongs to the longest prefix that names it, and imports
-#: only from its own layer or those below (docs/architecture.md draws the same picture).
-LAYERS = {
-    "weightsync.core.wire": 0,
-    "weightsync.mechanisms": 1,
-    "weightsync.core": 2,
-    "weightsync.transports": 3,
-    "weightsync": 4,  # the package's face (__init__, packed_tensor): what users and vllm/ import
-    "weightsync.glue": 4,
-    "weightsync.compat": 4,
-    "weightsync.vllm": 5,
-    "weightsync.tools": 6,
-    "weightsync.__main__": 7,
-}
 #: Below glue/ nothing needs a cluster: no Ray there.
 RAY_FREE_BELOW = LAYERS["weightsync.glue"]
 #: The transports that build on another one's modules (its halves, setup steps, messages).
 BUILDS_ON = {"owners": {"broadcast"}, "owner_writes": {"direct"}, "rank_ipc": {"ipc"}}
-
-
-def layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
 
 
 def transport_of(module: str) -> str | None:
@@ -368,47 +201,63 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert not failed, "modules that fail to import first:\n" + "\n".join(failed)
 
 
-def test_a_party_whose_own_device_work_timed_out_is_blamed_not_its_peer() -> None:
-    outcomes = {
-        "trainer": out("trainer", exc=StreamTimeout("trainer: writing into w0 timed out")),
-        "w0": out("w0", exc=PeerAborted("trainer failed", blames=["trainer"])),
-    }
-    assert assign_blame(outcomes) == ["trainer"]
+# --- sizes -----------------------------------------------------------------------------
+
+#: No module of the package is longer, nor any function (methods and nested functions
+#: alike, counted from ``def`` to its last line): one module one job, and a function a
+#: reader holds in view. Split by job, never one job across files, to stay within them.
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
 
 
-class RefusingComm:
-    """Stands in for a group in which rank 1 refuses this sync's agreement."""
+def oversized(source: str, name: str) -> list[str]:
+    """What in ``source`` (module ``name``) is over the limits, one line each."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
 
-    rank, world_size, device = 0, 2, torch.device("cpu")
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (child.end_lineno or child.lineno) - child.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(
+                        f"{name}:{child.lineno} {prefix}{child.name}: {length} lines (at most {MAX_FUNCTION_LINES})"
+                    )
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
 
-    def __init__(self) -> None:
-        self.agreements: list[bool] = []
-        self.aborted = False
-
-    def agree(self, refuse: bool, deadline: float) -> list[int]:
-        self.agreements.append(refuse)
-        return [1]
-
-    def broadcast(self, tensor: torch.Tensor, src: int, stream_pointer: int = 0) -> object:
-        raise AssertionError("no byte may move after a refused agreement")
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def close(self) -> None:
-        pass
+    visit(ast.parse(source), "")
+    return found
 
 
-def test_a_refused_agreement_names_the_refuser_moves_nothing_and_keeps_the_group() -> None:
-    from weightsync.core.halves import Sources
-    from weightsync.core.wire import Manifest, SyncCall, TensorSpec
-    from weightsync.transports.broadcast.halves import BroadcastSender
+def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
+    found = [
+        line
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in oversized(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert not found, "over the size limits (split by job):\n" + "\n".join(found)
 
-    manifest = Manifest.build([TensorSpec("w", (4,), "float32")], buffer_bytes=256)
-    comm = RefusingComm()
-    half = BroadcastSender(comm, session_of(manifest, timeout_s=5.0), ["trainer", "w1"])
-    with pytest.raises(PeerAborted) as info:
-        half.send(Sources([torch.randn(4)], None), SyncCall(seq=0, version=1), time.monotonic() + 5)
-    assert info.value.blames == ("w1",)
-    half.abort()  # what the sender does next: nothing more to tell, and the group stays
-    assert comm.agreements == [False] and not comm.aborted
+
+def test_the_size_check_counts_every_function_and_module_line() -> None:
+    """60 lines pass and 61 fail, for a method and a function nested in it alike; a module
+    of 401 lines fails."""
+
+    def function(name: str, lines: int, indent: str = "") -> str:
+        body = "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 1))
+        return f"{indent}def {name}():\n{body}"
+
+    assert oversized(function("f", MAX_FUNCTION_LINES), "m") == []
+    nested = "class C:\n    def g(self):\n" + function("h", MAX_FUNCTION_LINES + 1, "        ")
+    assert oversized(nested, "m") == [
+        f"m:2 C.g: {MAX_FUNCTION_LINES + 2} lines (at most {MAX_FUNCTION_LINES})",
+        f"m:3 C.g.h: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
+    ]
+    assert oversized("x = 0\n" * (MAX_MODULE_LINES + 1), "m") == [
+        f"m: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})"
+    ]

@@ -91,6 +91,7 @@ def _sync_worker(answers: Iterator[list[bytes]]) -> Any:
     pytest.importorskip("vllm")
     from weightsync.vllm.engine import EngineCallError, _VLLMWorker
     from weightsync.vllm.parts import PartRouting
+    from weightsync.vllm.served import ServedAdapter
 
     worker: Any = object.__new__(_VLLMWorker)  # the actor's bookkeeping, without an engine
     worker.name, worker.timeout_s, worker.native, worker._broken, worker._version = "vllm", 30.0, False, None, None
@@ -98,6 +99,7 @@ def _sync_worker(answers: Iterator[list[bytes]]) -> Any:
     worker._idle = threading.Condition(worker._lock)
     worker._hold = SyncHold("block")
     worker._routing = PartRouting(1)
+    worker._served = ServedAdapter("vllm")
 
     def rpc(method: str, args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
         answer = next(answers, None)

@@ -271,3 +271,26 @@ def fail_adapter_receive_once(worker: Any) -> None:
         raise RuntimeError(f"the adapter's transfer broke after {len(items)} tensors (injected by the test)")
 
     sink.consume = failing
+
+
+def gated_trainer_class() -> type:
+    """A TrainerHost whose ``ws_send`` waits, while a gate is set, until the gate's file
+    exists: a test holds a sync in flight (the workers receiving) for as long as it needs."""
+    import os
+    import time
+
+    from weightsync.glue.actors import TrainerHost
+
+    class GatedTrainerHost(TrainerHost):
+        gate: str | None = None
+
+        def set_gate(self, path: str | None) -> None:
+            self.gate = path
+
+        def ws_send(self, call: Any) -> Any:
+            deadline = time.monotonic() + 300
+            while self.gate is not None and not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return super().ws_send(call)
+
+    return GatedTrainerHost

@@ -29,12 +29,13 @@ import torch
 
 from weightsync.core.packing import write_bytes_at
 from weightsync.core.wire import DeviceMismatch, ShmHandle, dtype_from_name, dtype_name
+from weightsync.core.wire.settings import GIB
 from weightsync.mechanisms.cuda_ipc import CudaRegion
 from weightsync.mechanisms.cuda_ipc import gpu_uuid as gpu_uuid_of
 from weightsync.mechanisms.shm import ShmRegion, map_shm
 
 #: Default capacity of one packed buffer (1 GiB), as in vLLM.
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = GIB
 #: ``gpu_uuid`` that makes :func:`packed_ipc_producer` export a shared-memory buffer.
 CPU_HANDLE_KEY = "cpu"
 

@@ -63,6 +63,10 @@ modules' broadcasts and compare them, and feed each module's consumer the other'
 - ``unpack_tensor`` and ``packed_ipc_consumer`` refuse metadata whose lists differ in
   length or whose sizes disagree with the shapes, naming the tensor; ``PackedBufferImporter``
   counts its ``mapped`` and ``released`` buffers.
+
+This module holds the broadcast functions; the chunk rule with ``pack_tensors`` and
+``unpack_tensor`` lives in :mod:`weightsync.compat.packed_chunks`, the IPC functions in
+:mod:`weightsync.compat.packed_ipc`, the size header in :mod:`weightsync.compat.packed_header`.
 """
 
 from __future__ import annotations
@@ -70,154 +74,29 @@ from __future__ import annotations
 import itertools
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync.compat import packed_header
+from weightsync.compat.packed_chunks import PackedChunk, dtype_of, pack_into, pack_tensors, take, unpack_tensor
 from weightsync.compat.packed_ipc import (
     CPU_HANDLE_KEY,
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     PackedBufferImporter,
     PackedIpcChunk,
-    check_sizes,
     packed_ipc_consumer,
     packed_ipc_producer,
 )
-from weightsync.core.packing import as_bytes, bytes_as, write_bytes_at
-from weightsync.core.wire import dtype_from_name
+from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
 from weightsync.mechanisms.groups import CommunicatorGroup, GlooGroup
 from weightsync.mechanisms.streams import SlotStreams
 
+#: Buffers in rotation by default, as in vLLM (vLLM's value, kept if weightsync's changes).
 DEFAULT_PACKED_NUM_BUFFERS = 2
-#: Default deadline, in seconds, of each wait on a CUDA stream inside the broadcast functions.
-DEFAULT_TIMEOUT_S = 120.0
-
-
-@dataclass
-class PackedChunk:
-    """Tensors packed back to back into one uint8 tensor, with what is needed to unpack them."""
-
-    packed_tensor: torch.Tensor
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[torch.dtype]
-    tensor_sizes: list[int]
-
-
-@dataclass
-class _Taken:
-    """What one chunk took from the iterator, before it is packed."""
-
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    dtypes: list[torch.dtype] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-
-
-def _take(
-    iterator: Iterator[tuple[str, torch.Tensor]],
-    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
-    buffer_size_bytes: int,
-    current_size: int,
-) -> _Taken:
-    """Take items until the running total exceeds ``buffer_size_bytes`` (vLLM's boundary rule)."""
-    taken = _Taken()
-    total = current_size
-    for item in iterator:
-        tensor = post_iter_func(item)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"post_iter_func returned {type(tensor).__name__} for tensor {item[0]!r}, not a Tensor")
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > buffer_size_bytes:
-            # The opening words are vLLM's, so warning filters written against its module still match.
-            warnings.warn(
-                f"Tensor '{item[0]}' has size {nbytes} bytes, which exceeds buffer_size_bytes={buffer_size_bytes}; "
-                f"it goes in one oversize chunk (raise buffer_size_bytes to at least {nbytes} to keep chunks bounded)",
-                UserWarning,
-                stacklevel=3,
-            )
-        taken.tensors.append(tensor)
-        taken.names.append(item[0])
-        taken.shapes.append(list(tensor.shape))
-        taken.dtypes.append(tensor.dtype)
-        taken.sizes.append(nbytes)
-        total += nbytes
-        if total > buffer_size_bytes:
-            break
-    return taken
-
-
-def _pack_into(buffer: torch.Tensor, offset: int, tensors: list[torch.Tensor], stream: Any = None) -> int:
-    for tensor in tensors:
-        if stream is not None and tensor.is_cuda:
-            tensor.record_stream(stream)  # read on the slot stream: keep it from being reused before
-        offset += write_bytes_at(buffer, offset, tensor)
-    return offset
-
-
-def pack_tensors(
-    iterator: Iterator[tuple[str, torch.Tensor]],
-    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
-    buffer_size_bytes: int,
-    tensor_list: list[torch.Tensor] | None = None,
-    current_size: int = 0,
-) -> PackedChunk | None:
-    """Take (name, tensor) pairs until more than ``buffer_size_bytes`` are held, and pack them.
-
-    ``post_iter_func`` maps each pair to the tensor to send. Taking stops after the tensor
-    that takes the running total (starting at ``current_size``) past ``buffer_size_bytes``,
-    or when the iterator ends; None when nothing was taken. ``tensor_list`` holds tensors
-    already taken by the caller: they are packed first (their names are the caller's to
-    keep) and the new tensors' bytes are appended to it, as in vLLM. The result is one
-    uint8 tensor on the first tensor's device, bytes back to back.
-    """
-    taken = _take(iterator, post_iter_func, buffer_size_bytes, current_size)
-    held = list(tensor_list or [])
-    if tensor_list is not None:
-        tensor_list.extend(as_bytes(t.contiguous()) for t in taken.tensors)
-    everything = held + taken.tensors
-    if not everything:
-        return None
-    total = sum(t.numel() * t.element_size() for t in everything)
-    packed = torch.empty(total, dtype=torch.uint8, device=everything[0].device)
-    _pack_into(packed, 0, everything)
-    return PackedChunk(packed, taken.names, taken.shapes, taken.dtypes, taken.sizes)
-
-
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    return dtype_from_name(dtype) if isinstance(dtype, str) else dtype
-
-
-def unpack_tensor(
-    packed_tensor: torch.Tensor,
-    names: list[str],
-    shapes: list[list[int]],
-    dtypes: list[torch.dtype],
-    tensor_sizes: list[int],
-) -> list[tuple[str, torch.Tensor]]:
-    """Split a back-to-back packed uint8 tensor into named tensors.
-
-    Results are views of ``packed_tensor`` where the slice may start its dtype, and copies
-    where it may not; clone the views before the packed storage is reused. A dtype given as
-    a name goes through the allow-list.
-    """
-    resolved = [_dtype(d) for d in dtypes]
-    check_sizes(names, shapes, resolved, tensor_sizes)
-    if sum(tensor_sizes) > packed_tensor.numel():
-        raise ValueError(
-            f"tensor_sizes add up to {sum(tensor_sizes)} bytes, the packed tensor has {packed_tensor.numel()}"
-        )
-    out = []
-    offset = 0
-    for name, shape, dtype, size in zip(names, shapes, resolved, tensor_sizes):
-        out.append((name, bytes_as(packed_tensor, offset, size, dtype, shape)))
-        offset += size
-    return out
+# DEFAULT_TIMEOUT_S, the default deadline of each wait on a CUDA stream inside the broadcast
+# functions, is the library's (weightsync.core.wire.settings).
 
 
 def _check_settings(buffer_size_bytes: int, num_buffers: int, timeout_s: float) -> None:
@@ -239,6 +118,14 @@ def _late(what: str, timeout_s: float) -> str:
         f"{what} did not complete within {timeout_s:.1f}s: a peer of the group is dead, stuck or too slow "
         "(raise timeout_s for slow links)"
     )
+
+
+def _room(buffer: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``buffer`` when it holds ``nbytes`` on ``device``, else a new one that does (a slot's
+    buffer grows to its largest chunk and is reused)."""
+    if buffer is None or buffer.numel() < nbytes or buffer.device != device:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer
 
 
 def packed_nccl_broadcast_producer(
@@ -280,18 +167,15 @@ def packed_nccl_broadcast_producer(
             )
             with streams.use(slot):
                 streams.wait_for(slot, caller)
-                taken = _take(items, post_iter_func, buffer_size_bytes, 0)
+                taken = take(items, post_iter_func, buffer_size_bytes, 0)
                 if not taken.names:
                     if size_header:  # the end, so a consumer expecting more tensors says so
                         # on the chunks' device: post_iter_func may have moved them from the items'
                         packed_header.send(group, src, sent_on, buffer_size_bytes, 0, 0)
                     break
                 total = sum(taken.sizes)
-                buffer = buffers[slot]
-                if buffer is None or buffer.numel() < total or buffer.device != taken.tensors[0].device:
-                    buffer = torch.empty(total, dtype=torch.uint8, device=taken.tensors[0].device)
-                    buffers[slot] = buffer
-                _pack_into(buffer, 0, taken.tensors, streams.stream(slot) if streams.is_cuda else None)
+                buffer = buffers[slot] = _room(buffers[slot], total, taken.tensors[0].device)
+                pack_into(buffer, 0, taken.tensors, streams.stream(slot) if streams.is_cuda else None)
                 sent_on = buffer.device
                 if size_header:
                     packed_header.send(group, src, sent_on, buffer_size_bytes, total, len(taken.names))
@@ -310,7 +194,7 @@ def _take_meta(
     metas: list[tuple[str, list[int], torch.dtype, int]] = []
     total = 0
     for name, (shape, dtype) in iterator:
-        resolved = _dtype(dtype)
+        resolved = dtype_of(dtype)
         shape = list(shape)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape} must be non-negative integers")

@@ -53,6 +53,23 @@ from weightsync.glue.steps import Steps
 log = logging.getLogger("weightsync")
 
 
+def resolve_settings(settings: SyncSettings | None, **overrides: Any) -> SyncSettings:
+    """``settings`` (by default ``SyncSettings()``) with each keyword that is not None
+    replacing its field; refuses anything but a SyncSettings, and unknown fields."""
+    base = settings if settings is not None else SyncSettings()
+    if not isinstance(base, SyncSettings):
+        raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
+    return base.with_overrides(**overrides)
+
+
+def check_options(backend: object, push: object) -> None:
+    """Refuse a ``backend`` or ``push`` that WeightSync does not take, naming it."""
+    if backend not in (None, "gloo", "nccl"):
+        raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    if not isinstance(push, bool):
+        raise SettingsError(f"push must be True or False, got {push!r}")
+
+
 class WeightSync:
     """Moves a trainer actor's weights to worker actors.
 
@@ -100,10 +117,8 @@ class WeightSync:
         push: bool = False,
         lora: bool | None = None,
     ) -> None:
-        base = settings if settings is not None else SyncSettings()
-        if not isinstance(base, SyncSettings):
-            raise SettingsError(f"settings must be a SyncSettings, got {type(base).__name__}")
-        self.settings = base.with_overrides(
+        self.settings = resolve_settings(
+            settings,
             buffer_bytes=buffer_bytes,
             num_buffers=num_buffers,
             inplace_bytes=inplace_bytes,
@@ -113,35 +128,18 @@ class WeightSync:
             gather_bytes=gather_bytes,
             lora=lora,
         )
-        if backend not in (None, "gloo", "nccl"):
-            raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        check_options(backend, push)
         self.backend = backend
-        if not isinstance(push, bool):
-            raise SettingsError(f"push must be True or False, got {push!r}")
         self.push = push
-        ranks = TrainerRanks(trainer)
+        self.ranks = ranks = TrainerRanks(trainer)
         if push and len(ranks.names) > 1:
             raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
-        self.ranks = ranks
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
         #: Which session on the trainer's parties is this coordinator's (one per WeightSync),
         #: and how errors name it; ``TrainerMixin.weightsync_push(sync=label)`` picks it.
         self.label = f"WeightSync {uuid.uuid4().hex[:8]}"
-        # Nothing the parts hold refers back to this object, so a WeightSync dropped without
-        # close() is collected at once and closes its sessions (see _close_abandoned).
-        self._life = _Life()
-        self._steps = Steps(self._members, functools.partial(Deadlines, self.settings.timeout_s), self.label)
-        self._steps.on_teardown = self._life.unready
-        self._setup = Setup(
-            self._members,
-            self._steps,
-            self.settings,
-            {"backend": backend},
-            registry.mode("push") if push else None,
-            ranks.check_map(worker_ranks, list(self._members.members)),
-        )
-        self._round = Round(self._members, self._steps)
+        self._build_steps(ranks.check_map(worker_ranks, list(self._members.members)))
         self.manifest: Manifest | None = None
         self.version: int | None = None
         #: Set by close(): a sync or verify would set up again with nobody left to close it.
@@ -151,6 +149,23 @@ class WeightSync:
         self._metrics = SyncMetrics()
         # Not at interpreter exit: the actors end with the driver then.
         weakref.finalize(self, _close_abandoned, self._members, self.label, self._life).atexit = False
+
+    def _build_steps(self, worker_ranks: dict[str, int]) -> None:
+        """The parts that run this coordinator's steps: its steps, setup and round."""
+        # Nothing the parts hold refers back to this object, so a WeightSync dropped without
+        # close() is collected at once and closes its sessions (see _close_abandoned).
+        self._life = _Life()
+        self._steps = Steps(self._members, functools.partial(Deadlines, self.settings.timeout_s), self.label)
+        self._steps.on_teardown = self._life.unready
+        self._setup = Setup(
+            self._members,
+            self._steps,
+            self.settings,
+            {"backend": self.backend},
+            registry.mode("push") if self.push else None,
+            worker_ranks,
+        )
+        self._round = Round(self._members, self._steps)
 
     @property
     def deadlines(self) -> Deadlines:

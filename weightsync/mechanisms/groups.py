@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
+
 
 class _Work(Protocol):
     def wait(self, deadline: float) -> None: ...
@@ -72,7 +74,7 @@ class CommunicatorGroup:
     drain their streams with their own deadline.
     """
 
-    def __init__(self, comm: _Communicator, timeout_s: float = 120.0) -> None:
+    def __init__(self, comm: _Communicator, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not timeout_s > 0 or timeout_s == float("inf"):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
         self.comm = comm

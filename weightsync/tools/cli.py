@@ -20,8 +20,14 @@ from weightsync.core import registry
 from weightsync.core.choice import requests
 from weightsync.core.plugin import Serving
 from weightsync.core.wire.errors import SettingsError, WeightSyncError
-from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS
-from weightsync.tools.cli_types import DefaultsHelpFormatter, mib, positive_int, positive_seconds
+from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, DEFAULT_TIMEOUT_S, GIB, MIB
+from weightsync.tools.cli_types import (
+    DefaultsHelpFormatter,
+    Subparsers,
+    mib_as_bytes,
+    positive_int,
+    positive_seconds,
+)
 from weightsync.tools.models import SIZES, PolicyFactory, train_step
 
 
@@ -57,8 +63,6 @@ def demo(args: argparse.Namespace) -> int:
     """Train a small policy for a few steps, syncing and checking after each one."""
     import ray
 
-    from weightsync.glue.actors import TrainerActor, WorkerActor
-    from weightsync.glue.coordinator import WeightSync
     from weightsync.tools.cluster import connect
 
     started = time.perf_counter()
@@ -68,66 +72,82 @@ def demo(args: argparse.Namespace) -> int:
     if args.device == "cuda" and gpus < 1:
         _print("error: --device cuda but the Ray cluster has no GPU; run with --device cpu")
         return 2
-    colocated = args.transport == "auto" or registry.get(args.transport).serving is Serving.NEAREST or gpus < 2
-    parties = args.workers + 1
-    trainer = TrainerActor.options(**_actor_options(args.device, colocated, parties)).remote(
-        PolicyFactory(args.size, seed=0, device="cpu"), device=args.device
-    )
-    workers = {
-        f"worker-{i}": WorkerActor.options(**_actor_options(args.device, colocated, parties)).remote(
-            PolicyFactory(args.size, seed=i + 1, device="cpu"), device=args.device
-        )
-        for i in range(args.workers)
-    }
-    ok = True
+    trainer, workers = _demo_actors(args, gpus)
     try:
-        ws = WeightSync(
-            trainer,
-            workers,
-            transport=args.transport,
-            buffer_bytes=args.buffer_mib,
-            num_buffers=args.num_buffers,
-            timeout_s=args.timeout,
-            verify=args.verify,
-        )
-        manifest = ws.setup()
-        _print(
-            f"model: {args.size} policy, {len(manifest.specs)} tensors, {manifest.total_bytes / 1e6:.1f} MB; "
-            f"buffers: {manifest.agreed.num_buffers} x {manifest.agreed.buffer_bytes / 2**20:.0f} MiB, {len(manifest.chunks)} chunk(s)"
-        )
-        _print("transports: " + ", ".join(f"{n}={t}" for n, t in ws.transports().items()))
-        _print(f"{'step':>4} {'loss':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}  {'workers (transport@version)':<40} check")
-        rows = []
-        for step in range(1, args.steps + 1):
-            loss = ray.get(trainer.call.remote(train_step, step), timeout=args.timeout)
-            report = ws.sync(version=step)
-            try:
-                ws.verify()
-                check = "bit-exact"
-            except Exception as exc:  # noqa: BLE001 - reported in the table and the exit code
-                check = f"MISMATCH: {exc}"
-                ok = False
-            who = " ".join(f"{w.transport}@{w.version}" for w in report.workers)
-            _print(
-                f"{step:>4} {loss:>8.4f} {report.bytes / 1e6:>8.1f} {report.seconds * 1e3:>9.2f} "
-                f"{report.gbps:>7.2f}  {who:<40} {check}"
-            )
-            rows.append({"step": step, "loss": loss, **report.to_dict(), "check": check})
-        losses = [r["loss"] for r in rows]
-        if len(losses) >= 2 and not losses[-1] < losses[0]:
-            _print(f"warning: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})")
-        ws.close()
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rows, fh, indent=2)
-        _print(
-            f"demo {'passed' if ok else 'FAILED'}: {args.steps} syncs to {args.workers} worker(s), "
-            f"every worker {'bit-exact with' if ok else 'checked against'} the trainer after each"
-        )
+        ok = _demo_syncs(args, trainer, workers)
     finally:
         for handle in [trainer, *workers.values()]:
             ray.kill(handle)
     return 0 if ok else 1
+
+
+def _demo_actors(args: argparse.Namespace, gpus: int) -> tuple[Any, dict[str, Any]]:
+    """The demo's trainer and workers, each with its own seed (so every sync changes bytes)."""
+    from weightsync.glue.actors import TrainerActor, WorkerActor
+
+    colocated = args.transport == "auto" or registry.get(args.transport).serving is Serving.NEAREST or gpus < 2
+    options = _actor_options(args.device, colocated, args.workers + 1)
+    trainer = TrainerActor.options(**options).remote(PolicyFactory(args.size, seed=0, device="cpu"), device=args.device)
+    workers = {
+        f"worker-{i}": WorkerActor.options(**options).remote(
+            PolicyFactory(args.size, seed=i + 1, device="cpu"), device=args.device
+        )
+        for i in range(args.workers)
+    }
+    return trainer, workers
+
+
+def _demo_syncs(args: argparse.Namespace, trainer: Any, workers: dict[str, Any]) -> bool:
+    """Set up, then per step train, sync and verify every worker, printing a row each;
+    True when every worker was bit-exact with the trainer after every sync."""
+    import ray
+
+    from weightsync.glue.coordinator import WeightSync
+
+    ws = WeightSync(
+        trainer,
+        workers,
+        transport=args.transport,
+        buffer_bytes=args.buffer_bytes,
+        num_buffers=args.num_buffers,
+        timeout_s=args.timeout_s,
+        verify=args.verify,
+    )
+    manifest = ws.setup()
+    _print(
+        f"model: {args.size} policy, {len(manifest.specs)} tensors, {manifest.total_bytes / 1e6:.1f} MB; "
+        f"buffers: {manifest.agreed.num_buffers} x {manifest.agreed.buffer_bytes / MIB:.0f} MiB, {len(manifest.chunks)} chunk(s)"
+    )
+    _print("transports: " + ", ".join(f"{n}={t}" for n, t in ws.transports().items()))
+    _print(f"{'step':>4} {'loss':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}  {'workers (transport@version)':<40} check")
+    rows, ok = [], True
+    for step in range(1, args.steps + 1):
+        loss = ray.get(trainer.call.remote(train_step, step), timeout=args.timeout_s)
+        report = ws.sync(version=step)
+        try:
+            ws.verify()
+            check = "bit-exact"
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the exit code
+            check = f"MISMATCH: {exc}"
+            ok = False
+        who = " ".join(f"{w.transport}@{w.version}" for w in report.workers)
+        _print(
+            f"{step:>4} {loss:>8.4f} {report.bytes / 1e6:>8.1f} {report.seconds * 1e3:>9.2f} "
+            f"{report.gbps:>7.2f}  {who:<40} {check}"
+        )
+        rows.append({"step": step, "loss": loss, **report.to_dict(), "check": check})
+    losses = [r["loss"] for r in rows]
+    if len(losses) >= 2 and not losses[-1] < losses[0]:
+        _print(f"warning: the loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})")
+    ws.close()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    _print(
+        f"demo {'passed' if ok else 'FAILED'}: {args.steps} syncs to {args.workers} worker(s), "
+        f"every worker {'bit-exact with' if ok else 'checked against'} the trainer after each"
+    )
+    return ok
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -136,7 +156,7 @@ def doctor(args: argparse.Namespace) -> int:
     _print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}")
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         props = torch.cuda.get_device_properties(i)
-        _print(f"  cuda:{i} {props.name} {props.total_memory / 2**30:.0f} GiB uuid {props.uuid}")
+        _print(f"  cuda:{i} {props.name} {props.total_memory / GIB:.0f} GiB uuid {props.uuid}")
     try:
         import ray
 
@@ -197,7 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,doctor,cluster}")
+    _add_demo(sub)
+    b = sub.add_parser(
+        "bench",
+        help="measure sync speed against baselines and the hardware limit",
+        description="Measure sync speed against baselines and the hardware limit (docs/benchmarks.md).",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    from weightsync.tools.bench import add_arguments
 
+    add_arguments(b)
+
+    c = sub.add_parser(
+        "cluster",
+        help="a local Ray head (loopback, token auth) and job submission to it",
+        description="A local Ray head (loopback, token auth, job server) and job submission to it.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    from weightsync.tools.cluster_cli import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(c)
+    _add_doctor(sub)
+    return parser
+
+
+def _add_demo(sub: Subparsers[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "demo",
         help="train a small policy and sync it to workers after every step",
@@ -219,12 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=positive_int, default=5, help="training steps, each followed by a sync")
     d.add_argument("--size", default="30mb", choices=list(SIZES), help="the policy's size (bytes of its weights)")
     d.add_argument(
-        "--buffer-mib", type=mib, default=None, help="buffer size in MiB (default: auto, sized from the model)"
+        "--buffer-mib",
+        dest="buffer_bytes",
+        metavar="BUFFER_MIB",
+        type=mib_as_bytes,
+        default=None,
+        help="buffer size in MiB (default: auto, sized from the model)",
     )
     d.add_argument(
         "--num-buffers", type=positive_int, default=DEFAULT_NUM_BUFFERS, help="buffers in rotation (1 serializes)"
     )
-    d.add_argument("--timeout", type=positive_seconds, default=120.0, help="seconds any wait may take")
+    d.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds any wait may take",
+    )
     d.add_argument("--verify", action="store_true", help="per-chunk checksums on every sync (default: off)")
     d.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"
@@ -232,26 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", help="write the per-step reports to this file (default: not written)")
     d.set_defaults(func=demo)
 
-    b = sub.add_parser(
-        "bench",
-        help="measure sync speed against baselines and the hardware limit",
-        description="Measure sync speed against baselines and the hardware limit (docs/benchmarks.md).",
-        formatter_class=DefaultsHelpFormatter,
-    )
-    from weightsync.tools.bench import add_arguments
 
-    add_arguments(b)
-
-    c = sub.add_parser(
-        "cluster",
-        help="a local Ray head (loopback, token auth) and job submission to it",
-        description="A local Ray head (loopback, token auth, job server) and job submission to it.",
-        formatter_class=DefaultsHelpFormatter,
-    )
-    from weightsync.tools.cluster_cli import add_arguments as add_cluster_arguments
-
-    add_cluster_arguments(c)
-
+def _add_doctor(sub: Subparsers[argparse.ArgumentParser]) -> None:
     doc = sub.add_parser(
         "doctor",
         help="versions, devices, and which transports work here",
@@ -263,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc.add_argument("--address", help="with --ray: join this Ray cluster (default: $RAY_ADDRESS, else start one)")
     doc.set_defaults(func=doctor)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

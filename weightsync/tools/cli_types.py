@@ -11,9 +11,11 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 
-from weightsync.core.wire.settings import DEFAULT_ALIGNMENT
+from weightsync.core.wire.settings import DEFAULT_ALIGNMENT, MIB
 
-MIB = 1024 * 1024
+#: What ``add_subparsers`` returns, for functions that add a subcommand (argparse names its
+#: class privately).
+Subparsers = argparse._SubParsersAction
 
 
 def positive_int(value: str) -> int:
@@ -38,7 +40,7 @@ def _finite_positive(value: str, expected: str) -> float:
     return number
 
 
-def mib(value: str) -> int:
+def mib_as_bytes(value: str) -> int:
     """A size in MiB (fractions allowed), returned in bytes: finite, above 0, and a whole
     number of the buffers' alignment (256 bytes), as buffer sizes must be."""
     nbytes = round(_finite_positive(value, "a size in MiB") * MIB)

@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weightsync.tools.cli_types import DefaultsHelpFormatter, positive_seconds
+from weightsync.tools.cli_types import DefaultsHelpFormatter, Subparsers, positive_seconds
 from weightsync.tools.head import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
     HeadError,
     HeadInfo,
     default_directory,
@@ -34,6 +36,8 @@ from weightsync.tools.head import (
 from weightsync.tools.jobs import JobServer
 from weightsync.tools.private_files import UnsafePathError
 
+#: Seconds ``submit`` follows a job before it stops it.
+JOB_TIMEOUT_S = 900.0
 #: Left out of the uploaded working directory (Ray itself leaves out ``.git``): caches and the
 #: virtual environment, which the head has already.
 UPLOAD_EXCLUDES = (
@@ -88,7 +92,7 @@ def _running_head(directory: Path) -> HeadInfo:
 
 def _start(args: argparse.Namespace) -> int:
     print(f"starting a Ray head in {args.dir} (loopback, token auth, job server) ...", flush=True)
-    info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout)
+    info = start_head(args.dir, num_cpus=args.num_cpus, timeout_s=args.timeout_s)
     print(f"head running: pid {info.pid}, GCS {info.gcs_address}, job server {info.dashboard_url}")
     print(f"token: {info.token_path} (mode 0600); ray start's output: {args.dir / 'head.log'}")
     where = f" --dir {shlex.quote(str(args.dir))}" if args.dir != default_directory() else ""
@@ -109,7 +113,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    print(stop_head(args.dir, timeout_s=args.timeout))
+    print(stop_head(args.dir, timeout_s=args.timeout_s))
     exported = os.environ.get("RAY_ADDRESS", "")
     if exported.startswith(("http://", "https://")):
         print(
@@ -137,7 +141,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     try:
-        status = server.follow(job_id, timeout_s=args.timeout)
+        status = server.follow(job_id, timeout_s=args.timeout_s)
     except KeyboardInterrupt:
         print(
             f"\njob {job_id} goes on running on {server.url}; to stop it: RAY_AUTH_MODE=token "
@@ -159,6 +163,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the head's directory: head.json, auth_token, logs, Ray's temp dir (default: $WEIGHTSYNC_HEAD_DIR, "
         "else %(default)s)",
     )
+    _add_start(sub, common)
+    _add_submit(sub, common)
+    env = sub.add_parser(
+        "env",
+        parents=[common],
+        formatter_class=DefaultsHelpFormatter,
+        help="print the exports plain `ray job submit` needs",
+    )
+    env.set_defaults(cluster_func=_env)
+    _add_stop(sub, common)
+    parser.set_defaults(func=run)
+
+
+def _add_start(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     start = sub.add_parser(
         "start",
         parents=[common],
@@ -166,9 +184,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a loopback Ray head with token auth and jobs",
     )
     start.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
-    start.add_argument("--timeout", type=positive_seconds, default=180.0, help="seconds to wait for the job server")
+    start.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=positive_seconds,
+        default=START_TIMEOUT_S,
+        help="seconds to wait for the job server",
+    )
     start.set_defaults(cluster_func=_start)
 
+
+def _add_submit(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     submit = sub.add_parser(
         "submit",
         parents=[common],
@@ -194,7 +221,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_json_object,
         help='merged into the runtime env, e.g. \'{"py_executable": "..."}\' (default: none)',
     )
-    submit.add_argument("--timeout", type=positive_seconds, default=900.0, help="stop the job after this many seconds")
+    submit.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=positive_seconds,
+        default=JOB_TIMEOUT_S,
+        help="stop the job after this many seconds",
+    )
     submit.add_argument(
         "--no-wait",
         action="store_true",
@@ -207,23 +241,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     submit.set_defaults(cluster_func=_submit)
 
-    env = sub.add_parser(
-        "env",
-        parents=[common],
-        formatter_class=DefaultsHelpFormatter,
-        help="print the exports plain `ray job submit` needs",
-    )
-    env.set_defaults(cluster_func=_env)
 
+def _add_stop(sub: Subparsers[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     stop = sub.add_parser(
         "stop",
         parents=[common],
         formatter_class=DefaultsHelpFormatter,
         help="stop the head this checkout started (never `ray stop`)",
     )
-    stop.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds to wait for the head to exit")
+    stop.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=positive_seconds,
+        default=STOP_TIMEOUT_S,
+        help="seconds to wait for the head to exit",
+    )
     stop.set_defaults(cluster_func=_stop)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

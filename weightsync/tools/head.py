@@ -50,6 +50,11 @@ from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: Seconds a start waits for the head's job server to answer (``ray start`` and the
+#: dashboard take their time on a loaded machine).
+START_TIMEOUT_S = 180.0
+#: Seconds a stop waits for the head to exit after SIGTERM before it kills it.
+STOP_TIMEOUT_S = 60.0
 
 
 class HeadError(RuntimeError):
@@ -213,8 +218,52 @@ def signal_head(info: HeadInfo, signum: int) -> bool:
         os.close(pidfd)
 
 
-def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 180.0) -> HeadInfo:
+def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = START_TIMEOUT_S) -> HeadInfo:
     """Start a loopback head with token auth and the job server; return once jobs can be submitted."""
+    ray_cli = _ray_cli_to_start(directory)
+    directory = Path(os.path.abspath(directory))
+    private_files.make_directory(directory, hint=_DIR_HINT)
+    token_path = directory / "auth_token"
+    private_files.write_file(token_path, secrets.token_hex(32).encode())
+    temp_dir = directory / "ray"
+    port, dashboard_port = _free_port(), _free_port()
+    command = _ray_start_command(ray_cli, port, dashboard_port, temp_dir, num_cpus)
+    log_path = directory / "head.log"
+    log = private_files.create_file(log_path)
+    try:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_head_environment(token_path),
+            start_new_session=True,
+        )
+    finally:
+        os.close(log)
+    info = HeadInfo(
+        directory=str(directory),
+        pid=proc.pid,
+        gcs_address=f"127.0.0.1:{port}",
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        token_path=str(token_path),
+        temp_dir=str(temp_dir),
+        start_time=process_start_time(proc.pid) or 0,
+    )
+    private_files.write_file(directory / "head.json", json.dumps(asdict(info), indent=2).encode())
+    try:
+        _wait_for_jobs(proc, info, log_path, timeout_s)
+    except BaseException:
+        # A failure or Ctrl-C while waiting: the head runs in a session of its own, so
+        # nothing else would ever stop it.
+        stop_head(directory)
+        raise
+    return info
+
+
+def _ray_cli_to_start(directory: Path) -> Path:
+    """This environment's ``ray`` command, once nothing stands in the way of a new head:
+    no head of this checkout running, the job server's packages installed."""
     existing = read_info(directory)
     if existing is not None and head_running(existing):
         raise HeadError(
@@ -230,12 +279,13 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         raise HeadError(
             f"the Ray dashboard needs ray[default] ({exc}); install the cluster extra: bash scripts/run.sh cluster does"
         ) from exc
-    directory = Path(os.path.abspath(directory))
-    private_files.make_directory(directory, hint=_DIR_HINT)
-    token_path = directory / "auth_token"
-    private_files.write_file(token_path, secrets.token_hex(32).encode())
-    temp_dir = directory / "ray"
-    port, dashboard_port = _free_port(), _free_port()
+    return ray_cli
+
+
+def _ray_start_command(
+    ray_cli: Path, port: int, dashboard_port: int, temp_dir: Path, num_cpus: int | None
+) -> list[str]:
+    """``ray start --head`` with everything on 127.0.0.1 and a free port for each listener."""
     command = [
         str(ray_cli),
         "start",
@@ -256,6 +306,11 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     ]
     if num_cpus is not None:
         command.append(f"--num-cpus={num_cpus}")
+    return command
+
+
+def _head_environment(token_path: Path) -> dict[str, str]:
+    """The head's environment: loopback, token auth from ``token_path``, this venv's python."""
     env = dict(os.environ)
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
@@ -267,32 +322,7 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
         # A job's `python` is found on the head's PATH: make it this environment's.
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
-    log_path = directory / "head.log"
-    log = private_files.create_file(log_path)
-    try:
-        proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    finally:
-        os.close(log)
-    info = HeadInfo(
-        directory=str(directory),
-        pid=proc.pid,
-        gcs_address=f"127.0.0.1:{port}",
-        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
-        token_path=str(token_path),
-        temp_dir=str(temp_dir),
-        start_time=process_start_time(proc.pid) or 0,
-    )
-    private_files.write_file(directory / "head.json", json.dumps(asdict(info), indent=2).encode())
-    try:
-        _wait_for_jobs(proc, info, log_path, timeout_s)
-    except BaseException:
-        # A failure or Ctrl-C while waiting: the head runs in a session of its own, so
-        # nothing else would ever stop it.
-        stop_head(directory, timeout_s=60)
-        raise
-    return info
+    return env
 
 
 def _wait_for_jobs(proc: subprocess.Popen[bytes], info: HeadInfo, log_path: Path, timeout_s: float) -> None:
@@ -313,7 +343,7 @@ def _wait_for_jobs(proc: subprocess.Popen[bytes], info: HeadInfo, log_path: Path
         time.sleep(0.5)
 
 
-def stop_head(directory: Path, timeout_s: float = 60.0) -> str:
+def stop_head(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> str:
     """SIGTERM this head's ``ray start --block`` and wait until it exited; returns what happened."""
     info = read_info(directory)
     if info is None:

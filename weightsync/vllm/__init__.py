@@ -4,6 +4,9 @@
   keyword arguments that is a worker for :class:`weightsync.WeightSync`.
 * :class:`AsyncVLLMWorker` (``weightsync.vllm.async_engine``): the same around vLLM's
   ``AsyncLLM``; a sync pauses generation (``pause_mode`` "keep", "wait" or "abort") and resumes it.
+* :class:`ServerWorker` (``weightsync.vllm.server``): a running vLLM OpenAI-compatible
+  server, fed through its RL routes (``VLLM_SERVER_DEV_MODE=1``) and the native backend;
+  :class:`LocalServer` (``weightsync.vllm.local_server``) starts one on this machine.
 * :class:`WorkerExtension` (``weightsync.vllm.extension``): for
   ``worker_extension_cls="weightsync.vllm.WorkerExtension"``; what crosses vLLM's RPC is bytes.
 * the native backend ``weightsync`` (``weightsync.vllm.backend``), registered in every vLLM
@@ -24,6 +27,9 @@ _NAMES = {
     "WorkerExtension": "weightsync.vllm.extension",
     "WeightsyncTransferEngine": "weightsync.vllm.backend",
     "RemoteCallError": "weightsync.vllm.codec",
+    "ServerWorker": "weightsync.vllm.server",
+    "ServerCallError": "weightsync.vllm.client",
+    "LocalServer": "weightsync.vllm.local_server",
 }
 
 

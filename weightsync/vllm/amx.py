@@ -10,7 +10,9 @@ prompt of 1-3 tokens died in its attention (``Worker proc VllmWorker-0 died unex
 (exit code: -4)``), while one that first saw a longer prompt never did.
 
 :func:`request_amx_tiles` asks, as torch itself does (``torch.cpu._init_amx()``); each TP
-rank calls it while it is set up (``WorkerExtension.weightsync_setup``), before any request.
+rank calls it while it is set up (``WorkerExtension.weightsync_setup``), before any request,
+and so does the ``weightsync`` weight-transfer backend, which vLLM makes in every TP rank as
+the model loads (a vLLM server started with it: ``ServerWorker``).
 Asking only enlarges the state the kernel saves for the process's threads.
 """
 

@@ -48,19 +48,19 @@ from typing import Any
 import ray
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
 from weightsync.vllm.deaths import died
 from weightsync.vllm.engine import EXTENSION, EngineCallError
 from weightsync.vllm.extension import RankInfo, SetupInfo, encode_setup
-from weightsync.vllm.hold import HoldRecord, SyncHold, with_held_off
+from weightsync.vllm.hold import PAUSE_MODES, HoldRecord, SyncHold, check_pause_mode, with_held_off
 from weightsync.vllm.parts import PartRouting, State, answer
 from weightsync.vllm.served import SYNCED, AsyncAdapterReport, ServedAdapter
 from weightsync.vllm.sockets import SocketFolder
 
 log = logging.getLogger("weightsync")
-PAUSE_MODES = ("keep", "wait", "abort")
 
 
 def forward_worker_protocol_async(cls: type) -> type:
@@ -82,19 +82,13 @@ def forward_worker_protocol_async(cls: type) -> type:
     return cls
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-    return mode
-
-
 @forward_worker_protocol_async
 class _AsyncVLLMWorker(AsyncAdapterReport):
     def __init__(
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         pause_mode: str = "keep",
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
@@ -111,7 +105,7 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
         self._sockets = SocketFolder.claim()
         self.name = name
         self.timeout_s = float(timeout_s)
-        self._hold = SyncHold(_check_mode(pause_mode))
+        self._hold = SyncHold(check_pause_mode(pause_mode))
         self._specs = tuple(expected_specs) if expected_specs is not None else None
         self._check_model = check_model
         if not isinstance(stage_updates, bool):
@@ -181,7 +175,7 @@ class _AsyncVLLMWorker(AsyncAdapterReport):
 
     async def set_pause_mode(self, mode: str) -> None:
         """How the next syncs treat in-flight requests: "keep", "wait" or "abort" (module doc)."""
-        self._hold.mode = _check_mode(mode)
+        self._hold.mode = check_pause_mode(mode)
 
     # bounded RPC ------------------------------------------------------------------------
     async def _bounded(self, what: str, coro: Any, slow: str = "") -> Any:

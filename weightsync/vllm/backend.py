@@ -13,6 +13,11 @@ loads nothing leaves the model alone) and is finalized in ``finish_weight_update
 version goes to vLLM with ``finish_weight_update(weight_version=...)`` on ``AsyncLLM`` or
 ``set_weight_version`` on the engine, which :class:`~weightsync.vllm.VLLMWorker` does.
 
+A :class:`~weightsync.vllm.ServerWorker` drives the same backend in a running vLLM server
+through its RL routes: its init carries a sealed session (``init_info["server"]``, see
+:mod:`weightsync.vllm.remote`), each ``update_info["call"]`` is then sealed text rather than
+bytes, and each rank sends its answer back on its own connection instead of keeping it.
+
 The backend is registered in every vLLM process by the ``vllm.general_plugins`` entry point
 (``weightsync.vllm.plugin:register``), before the model loads.
 """
@@ -30,10 +35,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync import TensorSpec, WeightSyncError
+from weightsync.vllm.amx import request_amx_tiles
 from weightsync.vllm.codec import decode_call, encode_reply, failed_reply
 from weightsync.vllm.rank import RankEndpoint
 from weightsync.vllm.relay import tp_relay
 from weightsync.vllm.reload import lifecycle
+from weightsync.vllm.remote import RemoteLink, hand_over
 
 
 @dataclass
@@ -43,6 +50,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 
     name: str = "vllm"
     expected_specs: list[list[Any]] | None = None
+    #: A ServerWorker's sealed session (``weightsync.vllm.remote.seal_init``); it then
+    #: names the worker and its expected tensors itself.
+    server: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -56,13 +66,17 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
-    """One encoded weightsync call (``weightsync.vllm.codec.encode_call``)."""
+    """One encoded weightsync call (``weightsync.vllm.codec.encode_call``): bytes in process,
+    or a ServerWorker's sealed text (``weightsync.vllm.remote.seal_call``) over HTTP."""
 
-    call: bytes = field(default=b"")
+    call: bytes | str = field(default=b"")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.call, bytes | bytearray) or not self.call:
-            raise ValueError("update_info['call'] must be the non-empty bytes of one encoded weightsync call")
+        if not isinstance(self.call, bytes | bytearray | str) or not self.call:
+            raise ValueError(
+                "update_info['call'] must be one encoded weightsync call: non-empty bytes, or a ServerWorker's "
+                "sealed text"
+            )
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -72,26 +86,49 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        if torch.device(device).type == "cpu":
+            request_amx_tiles()  # made as the model loads, before any request (amx.py says why)
         self.endpoint: RankEndpoint | None = None
         self._reply: bytes | None = None
+        #: A ServerWorker's session, when one initialised this backend over HTTP.
+        self.link: RemoteLink | None = None
+        #: Whether vLLM's update session (start ... finish) is open: vLLM opens it once this
+        #: backend's start returned, and ends it by resetting the update target.
+        self.updating = False
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        link = RemoteLink.accept(init_info.server) if init_info.server is not None else None
+        last = self.endpoint
+        self.shutdown()  # a new init replaces the last session: its transports and link close
         self.endpoint = RankEndpoint(
             model=lambda: self.model,
             device=torch.device(self.device),
             begin=lambda: lifecycle().begin(self.model),
             end=lambda: lifecycle().end(self.model, self.model_config),
-            expected_specs=init_info.specs(),
+            expected_specs=link.init.specs(self.vllm_config) if link is not None else init_info.specs(),
             relay=tp_relay(torch.device(self.device)),
-            name=init_info.name,
+            name=link.init.name if link is not None else init_info.name,
         )
+        if last is not None:
+            hand_over(last, self.endpoint)
+        if link is not None:
+            link.connect(*self.endpoint.weightsync_part, updating=self.updating)
+            self.link = link
 
     def start_weight_update(self) -> None:
         """Nothing yet: the layerwise reload begins at this update's first tensor batch."""
         if self.endpoint is None:
             raise WeightSyncError("weightsync backend: init_weight_transfer_engine was not called")
+        self.updating = True
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        self.updating = False  # vLLM resets after a finish and after a failed update or start
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        if isinstance(update_info.call, str):
+            self._serve_remote(update_info.call)
+            return
         if self.endpoint is None:
             self._reply = encode_reply(
                 failed_reply(WeightSyncError("weightsync backend: init_weight_transfer_engine was not called"))
@@ -103,6 +140,21 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             self._reply = encode_reply(failed_reply(exc))
             return
         self._reply = self.endpoint.serve(call, None, settle=False)
+
+    def _serve_remote(self, text: str) -> None:
+        """Run a ServerWorker's sealed call and send the answer back on this rank's connection.
+        A call whose seal or session does not hold raises (the HTTP call fails; nothing runs)."""
+        if self.link is None or self.endpoint is None:
+            raise WeightSyncError(
+                "this vLLM server's weightsync backend holds no ServerWorker session: a ServerWorker must call "
+                "/init_weight_transfer_engine first (it does so as it connects)"
+            )
+        payload = self.link.open_call(text)
+        try:
+            reply = self.endpoint.serve(decode_call(payload), self, settle=False)
+        except Exception as exc:  # noqa: BLE001 - encoded for the ServerWorker, who re-raises it
+            reply = encode_reply(failed_reply(exc))
+        self.link.reply(reply)
 
     def take_reply(self) -> bytes:
         """The encoded answer of the last ``update_weights`` call, once."""
@@ -117,5 +169,10 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def shutdown(self) -> None:
         receiver = getattr(self.endpoint, "_ws_receiver", None)
-        if receiver is not None:
-            receiver.close_transports(abort=True)
+        try:
+            if receiver is not None:
+                receiver.close_transports(abort=True)
+        finally:
+            if self.link is not None:
+                self.link.close()
+                self.link = None

@@ -52,6 +52,7 @@ from typing import Any
 import ray
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
 from weightsync.glue.actors import WORKER_PROTOCOL, forward_worker_protocol
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
@@ -76,7 +77,7 @@ class _VLLMWorker:
         self,
         *,
         name: str = "vllm",
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S,
         native: bool = False,
         expected_specs: Sequence[TensorSpec] | None = None,
         check_model: bool = True,
@@ -91,8 +92,6 @@ class _VLLMWorker:
         if native and stage_updates:
             raise ValueError("stage_updates=True works through the worker extension; drop native=True")
         os.environ.update(env or {})  # before vLLM reads its settings
-        from vllm import LLM
-
         extension = llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
         if extension != EXTENSION:
             raise ValueError(f"VLLMWorker sets worker_extension_cls={EXTENSION!r} itself; got {extension!r}")
@@ -119,25 +118,33 @@ class _VLLMWorker:
         self._served = ServedAdapter(name)
         self._sockets = SocketFolder.claim()  # vLLM reads it as the engine starts
         try:
-            try:
-                self.llm = LLM(**llm_kwargs)
-            except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
-                raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
-            if expected_specs is None and check_model:
-                expected_specs = engine_specs(name, self.llm.llm_engine.vllm_config)
-            specs = tuple(expected_specs) if expected_specs is not None else None
-            self._replies(
-                self._rpc("weightsync_setup", args=(encode_setup(SetupInfo(name, specs, stage_updates)),)), "setup"
-            )
-            if self._has_backend:
-                rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
-                init_info = {"name": name, "expected_specs": rows}
-                self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
-            self._rank_pids = [r.pid for r in self.ranks()]
-            self._routing = PartRouting(1 if native else len(self._rank_pids))
+            self._start(llm_kwargs, expected_specs, check_model)
         except BaseException:
             self._stop()  # else the engine's processes and socket folder outlive the failed actor
             raise
+
+    def _start(
+        self, llm_kwargs: dict[str, Any], expected_specs: Sequence[TensorSpec] | None, check_model: bool
+    ) -> None:
+        """Start the engine, then set weightsync up in each of its ranks (and the native
+        backend), with the specs a manifest is checked against (see the actor's arguments)."""
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(**llm_kwargs)
+        except Exception as exc:  # vLLM's says only "see root cause above", which is in our log
+            raise EngineCallError(f"{self.name}: the vLLM engine did not start: {died('start', exc)}") from exc
+        if expected_specs is None and check_model:
+            expected_specs = engine_specs(self.name, self.llm.llm_engine.vllm_config)
+        specs = tuple(expected_specs) if expected_specs is not None else None
+        setup = encode_setup(SetupInfo(self.name, specs, self._staged))
+        self._replies(self._rpc("weightsync_setup", args=(setup,)), "setup")
+        if self._has_backend:
+            rows = None if specs is None else [[s.name, list(s.shape), s.dtype] for s in specs]
+            init_info = {"name": self.name, "expected_specs": rows}
+            self._check(self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info}))
+        self._rank_pids = [r.pid for r in self.ranks()]
+        self._routing = PartRouting(1 if self.native else len(self._rank_pids))
 
     def use_native(self, native: bool) -> None:
         """Send the coordinator's calls through the native backend (True) or the worker

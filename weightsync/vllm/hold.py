@@ -35,6 +35,15 @@ from weightsync.core.wire.outcome import Outcome
 OPENS = "ws_receive"
 #: Calls that end an open hold whatever the receiver's state: the sync is over.
 RELEASES = ("ws_settle", "ws_teardown")
+#: vLLM's pause modes, what an actor that pauses generation (rather than blocking it) takes.
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+def check_pause_mode(mode: str) -> str:
+    """``mode`` when it is one of :data:`PAUSE_MODES`; else ValueError naming them."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,15 +13,32 @@ from typing import Any, Literal
 
 from weightsync.core.wire.errors import SettingsError
 
+#: Byte units: every size in weightsync is a number of bytes, and a name that holds another
+#: unit says so (``buffer_mib``); these turn one into the other.
+MIB = 1 << 20
+GIB = 1 << 30
+
+# The one default of each setting; everything else that needs one imports it from here.
+
+#: Byte alignment of every tensor in a buffer: the widest dtype a view may need, with room.
 DEFAULT_ALIGNMENT = 256
-DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
+#: A packing buffer's bytes where a number is needed and none was given (a Manifest built
+#: directly); ``SyncSettings`` defaults to ``"auto"`` (:mod:`weightsync.core.wire.sizing`).
+DEFAULT_BUFFER_BYTES = 256 * MIB
 #: Tensors of at least this many bytes on the wire are broadcast in place (their own
 #: collective, straight from the trainer's storage into the worker's), not packed. Chosen
 #: by measurement: docs/benchmarks.md ("CPU broadcast knobs": scripts/broadcast_sweep.py) and
 #: docs/benchmarks-history.md ("In-place threshold": scripts/inplace_threshold.py).
-DEFAULT_INPLACE_BYTES = 4 * 1024 * 1024
+DEFAULT_INPLACE_BYTES = 4 * MIB
+#: Buffers in rotation: two let packing chunk k+1 overlap moving chunk k.
 DEFAULT_NUM_BUFFERS = 2
+#: Seconds any wait of a sync may take (see :class:`~weightsync.core.wire.session.Deadlines`).
 DEFAULT_TIMEOUT_S = 120.0
+#: Seconds any call into an inference engine may take (the ``timeout_s`` of the vLLM engine
+#: actors and of a server worker, per call and per HTTP request): a bound on the engine
+#: answering at all (a generate, a load with its reload lifecycle, a protocol call whose
+#: own waits are the sync's), so longer than a sync's.
+DEFAULT_ENGINE_TIMEOUT_S = 300.0
 
 
 def _is_int(value: object) -> bool:

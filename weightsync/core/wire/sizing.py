@@ -27,20 +27,21 @@ import torch
 from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.manifest import TensorSpec
 from weightsync.core.wire.plan import align_up
+from weightsync.core.wire.settings import GIB, MIB
 
 #: CUDA knee, measured on the H200 test machine, 2026-12-03 (docs/benchmarks-history.md,
 #: "run 4"): 16.6 GB bf16 model over ipc, trainer and worker sharing the GPU, 2 slots:
 #: 256 MiB 31.1 ms, 512 MiB 25.8, 1 GiB 22.6, 2 GiB 21.2, 4 GiB 21.5 (3 slots of 4 GiB:
 #: 20.9). The gain stops at 2 GiB; the share of free memory below caps it where memory is
 #: tight (an inference engine holding most of the GPU).
-CUDA_KNEE_BYTES = 2 << 30
+CUDA_KNEE_BYTES = 2 * GIB
 
 #: CPU knee, measured on the 2-core development machine (docs/benchmarks-history.md, "Buffer
 #: size on CPU", 2026-12-03, noisy shared machine): shared-memory ipc, 2 slots. 256 MB model:
 #: 4 MiB 27.6 ms, 8 MiB 22.9, 16 MiB 33.4-36.3, 32 MiB 37.0, 64 MiB 37.0-40.8, 256 MiB 41.3;
 #: 1 GB model: 8 MiB 112-114 ms, 16 MiB 106, 64 MiB 98. On a CPU small slots stay in cache,
 #: so there is no knee upwards: 16 MiB is within ~10% of the best at both sizes.
-CPU_KNEE_BYTES = 16 << 20
+CPU_KNEE_BYTES = 16 * MIB
 
 #: The largest share of a party's free memory that its ``num_buffers`` buffers may take.
 MEMORY_SHARE = 0.25

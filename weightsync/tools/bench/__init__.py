@@ -30,6 +30,7 @@ GB/s (model bytes / median), the ratio to the raw one-copy limit, and the peak e
 on each side during the case.
 
 Layout: :mod:`~weightsync.tools.bench.driver` measures (the cases, in order),
+:mod:`~weightsync.tools.bench.baselines` the cases outside weightsync,
 :mod:`~weightsync.tools.bench.probes` runs inside the actors, :mod:`~weightsync.tools.bench.report`
 prints and writes the results, :mod:`~weightsync.tools.bench.chart` draws them (``--plot``).
 This module holds the command line.
@@ -52,9 +53,21 @@ from weightsync.tools.models import SIZES
 
 #: The case groups ``--transports`` selects.
 TRANSPORTS = ("ipc", "direct", "broadcast", "naive", "objectstore")
+#: The bench's bound on any sync or Ray call: longer than the library's default timeout,
+#: since it moves models of up to 16 GB on machines others load too.
+TIMEOUT_S = 300.0
+#: The buffer sizes of the knob sweeps, in MiB; the first is the reference design's slot.
+SWEEP_BUFFER_MIB = (256, 64, 1024, 2048)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_case_arguments(parser)
+    add_run_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which cases run (where, at which sizes, over which transports, with which knobs) and how often."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every party holds the model")
     parser.add_argument(
         "--sizes",
@@ -73,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int_list,
         default=None,
         help="buffer sizes in MiB for the knob sweeps (the main cases use the library's defaults, buffer_bytes='auto'); "
-        "default 256,64,1024,2048, and on CPU no sweep unless given",
+        f"default {','.join(map(str, SWEEP_BUFFER_MIB))}, and on CPU no sweep unless given",
     )
     parser.add_argument(
         "--workers", type=positive_int, default=2, help="workers (broadcast receivers); colocated cases use the first"
@@ -105,7 +118,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
     )
-    parser.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds any sync or Ray call may take")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the bench runs: the bound on every call, the cluster, the output files."""
+    parser.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=positive_seconds,
+        default=TIMEOUT_S,
+        help="seconds any sync or Ray call may take",
+    )
     parser.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     parser.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs for an embedded cluster (default: all of this machine's)"
@@ -116,7 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw every case's GB/s against its raw limit, per size, into this file: .svg needs nothing more, "
         "other suffixes (.png) need matplotlib, the plot extra (default: not written)",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     # The sharded cases run at the library's default buffers unless --buffer-mib was given.
     args.buffer_mib_given = args.buffer_mib is not None
     if args.buffer_mib is None:
-        args.buffer_mib = [256, 64, 1024, 2048]
+        args.buffer_mib = list(SWEEP_BUFFER_MIB)
         # The main cases run at the library's defaults; on a CPU the knob sweep is opt-in
         # (pass --buffer-mib) so that a plain ``bench`` stays quick.
         args.quick = args.quick or args.device == "cpu"

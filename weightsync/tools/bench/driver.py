@@ -1,8 +1,9 @@
 """The bench's driver: one trainer and its workers per model size, every case in turn.
 
 :meth:`Bench.run` -> per size :meth:`Bench.size_cases` (the raw limit, the Ray floor, the
-weightsync transports and their knob sweeps, the reference design, the baselines) -> each
-case through :meth:`Bench.timed` (one warm-up, ``--repeats`` timed runs, peak memory).
+weightsync transports and their knob sweeps, the reference design, the baselines: the
+cases outside weightsync live in :mod:`~weightsync.tools.bench.baselines`) -> each case
+through :meth:`Bench.timed` (one warm-up, ``--repeats`` timed runs, peak memory).
 """
 
 from __future__ import annotations
@@ -10,18 +11,36 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import weightsync.tools.bench.probes as probes
 from weightsync.core.wire.errors import SettingsError, SetupError, WeightSyncError
 from weightsync.core.wire.outcome import Status
-from weightsync.core.wire.settings import SyncSettings
+from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, MIB, SyncSettings
+from weightsync.tools.bench.baselines import gloo_case, outside_cases, ray_floor_case, reference_case
 from weightsync.tools.bench.chart import check_plot_path, plot
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
-from weightsync.tools.bench.report import MIB, Case, check_json_path, header, ratios, show, write_json
+from weightsync.tools.bench.report import Case, check_json_path, header, ratios, show, write_json
 from weightsync.tools.bench.sharded import sharded_cases
 from weightsync.tools.models import PolicyFactory
+
+
+@dataclass(frozen=True)
+class SizeRun:
+    """One model size's actors and the raw one-copy limit: what every case of the size reads."""
+
+    size: str
+    trainer: Any
+    workers: list[Any]
+    nbytes: int
+    copy_s: float
+
+    @property
+    def parties(self) -> list[Any]:
+        """The two sides whose memory a case reports: the trainer and the first worker."""
+        return [self.trainer, self.workers[0]]
 
 
 class Bench:
@@ -34,7 +53,7 @@ class Bench:
         self.summary: list[str] = []
         #: Cases whose setup failed for another reason than a refusal: the run's exit code says so.
         self.failed: list[str] = []
-        self.timeout = args.timeout
+        self.timeout_s = args.timeout_s
         self._version = 0
 
     def not_run(self, size: str, name: str, exc: Exception) -> None:
@@ -57,7 +76,7 @@ class Bench:
         return self._version
 
     def get(self, ref: Any) -> Any:
-        return self.ray.get(ref, timeout=self.timeout)
+        return self.ray.get(ref, timeout=self.timeout_s)
 
     def memory_base(self, parties: list[Any]) -> list[int]:
         """Reset each side's peak counter; returns what each holds now."""
@@ -133,131 +152,131 @@ class Bench:
         return 0
 
     def size_cases(self, size: str, trainer: Any, workers: list[Any]) -> None:
-        from weightsync.glue.coordinator import WeightSync
+        """Every case of one model size, in the order the report prints them."""
+        run = self.limit_case(size, trainer, workers)
+        ray_floor_case(self, size, trainer, workers[0], run.nbytes, run.copy_s)
+        self.colocated_cases(run)
+        raw = self.broadcast_cases(run)
+        self.other_cases(run, raw)
 
-        args = self.args
-        cuda = args.device == "cuda"
-        parties = [trainer, workers[0]]
-        built = self.get(trainer.ws_manifest.remote(SyncSettings(buffer_bytes=args.buffer_mib[0] * MIB)))
+    def limit_case(self, size: str, trainer: Any, workers: list[Any]) -> SizeRun:
+        """The raw limit, one copy of one buffer of the model's bytes: what the colocated
+        cases are measured against."""
+        built = self.get(trainer.ws_manifest.remote(SyncSettings(buffer_bytes=self.args.buffer_mib[0] * MIB)))
         self.get(trainer.ws_teardown.remote(forget=True))  # that session was only for the manifest
         if not built.ok:
             raise WeightSyncError(f"the bench's trainer could not build its manifest: {built.line()}")
         manifest = built.value
         nbytes = manifest.total_bytes
-        copy_s = self.get(trainer.call.remote(probes.raw_copy_seconds, nbytes, args.repeats))
+        copy_s = self.get(trainer.call.remote(probes.raw_copy_seconds, nbytes, self.args.repeats))
+        note = f"{len(manifest.specs)} tensors"
         self.cases.append(
-            Case(
-                size,
-                "raw limit: one copy of one buffer",
-                nbytes,
-                times=[copy_s] * 2,
-                limit_s=copy_s,
-                note=f"{len(manifest.specs)} tensors",
-            )
+            Case(size, "raw limit: one copy of one buffer", nbytes, times=[copy_s] * 2, limit_s=copy_s, note=note)
         )
         show(self.cases[-1])
+        return SizeRun(size, trainer, workers, nbytes, copy_s)
 
-        def sync_case(
-            name: str,
-            transport: str,
-            buffer_mib: int | None,
-            nbuf: int,
-            limit: float | None,
-            members: list[Any],
-            inplace_bytes: int | None = None,
-        ) -> None:
-            """One weightsync case; ``buffer_mib=None``: the library's default ("auto");
-            ``inplace_bytes=None``: the library's default threshold."""
-            base = self.memory_base(parties)
-            ws = WeightSync(
-                trainer,
-                members,
-                transport=transport,
-                buffer_bytes=buffer_mib * MIB if buffer_mib is not None else "auto",
-                num_buffers=nbuf,
-                inplace_bytes=inplace_bytes,
-                timeout_s=self.timeout,
-            )
-            try:
-                built = ws.setup()
-            except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
-                self.not_run(size, name, exc)
-                return
+    def sync_case(
+        self,
+        run: SizeRun,
+        name: str,
+        transport: str,
+        buffer_mib: int | None,
+        nbuf: int,
+        limit: float | None,
+        members: list[Any],
+        inplace_bytes: int | None = None,
+    ) -> None:
+        """One weightsync case; ``buffer_mib=None``: the library's default ("auto");
+        ``inplace_bytes=None``: the library's default threshold."""
+        from weightsync.glue.coordinator import WeightSync
 
-            note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
-            case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, nbuf, limit_s=limit, note=note)
+        base = self.memory_base(run.parties)
+        ws = WeightSync(
+            run.trainer,
+            members,
+            transport=transport,
+            buffer_bytes=buffer_mib * MIB if buffer_mib is not None else "auto",
+            num_buffers=nbuf,
+            inplace_bytes=inplace_bytes,
+            timeout_s=self.timeout_s,
+        )
+        try:
+            built = ws.setup()
+        except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
+            self.not_run(run.size, name, exc)
+            return
 
-            def one() -> float:
-                report = ws.sync(self.next_version())
-                case.send_times.append(report.send_seconds)
-                return report.seconds
+        note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
+        case = Case(run.size, name, run.nbytes, built.agreed.buffer_bytes / MIB, nbuf, limit_s=limit, note=note)
 
-            self.timed(case, one, parties, base)
-            ws.close()
+        def one() -> float:
+            report = ws.sync(self.next_version())
+            case.send_times.append(report.send_seconds)
+            return report.seconds
 
-        self.ray_floor_case(size, trainer, workers[0], nbytes, copy_s)
-        first = args.buffer_mib[0]
-        colocated = ["ipc", "direct"] if ("ipc" in args.transports or "direct" in args.transports) else []
-        for transport in colocated:
-            if transport not in args.transports:
-                continue
-            sync_case(f"weightsync {transport}", transport, None, 2, copy_s, workers[:1])
-        if "direct" in args.transports:
-            self.push_cases(size, trainer, workers[0], nbytes, copy_s)
-        if "ipc" in args.transports and not args.quick:
-            for buffer_mib in args.buffer_mib:
-                for nbuf in (1, 2, 3):
-                    if buffer_mib * MIB <= max(2 * nbytes, first * MIB):
-                        sync_case("weightsync ipc (knobs)", "ipc", buffer_mib, nbuf, copy_s, workers[:1])
-            self.reference_case(size, trainer, workers[0], nbytes, copy_s, first)
-        raw: float | None = None
-        if "broadcast" in args.transports and not cuda:
-            raw = self.gloo_case(size, trainer, workers, nbytes, per_tensor=False)
-            for n in sorted({1, len(workers)}):
-                sync_case(
-                    f"weightsync broadcast, {n} receiver(s)",
-                    "broadcast",
-                    None,
-                    2,
-                    raw if n == len(workers) else None,
-                    workers[:n],
+        self.timed(case, one, run.parties, base)
+        ws.close()
+
+    def colocated_cases(self, run: SizeRun) -> None:
+        """ipc and direct at the library's defaults, push mode, and (without ``--quick``) the
+        ipc knob sweep and the reference design."""
+        args, worker = self.args, run.workers[0]
+        for transport in ("ipc", "direct"):
+            if transport in args.transports:
+                self.sync_case(
+                    run, f"weightsync {transport}", transport, None, DEFAULT_NUM_BUFFERS, run.copy_s, [worker]
                 )
-            sync_case("weightsync broadcast (all packed)", "broadcast", None, 2, raw, workers, inplace_bytes=0)
-            if not args.quick:
-                for buffer_mib in args.buffer_mib:
-                    sync_case("weightsync broadcast (knobs)", "broadcast", buffer_mib, 2, raw, workers)
-                for nbuf in (1, 3):
-                    sync_case("weightsync broadcast (knobs)", "broadcast", first, nbuf, raw, workers)
-            self.gloo_case(size, trainer, workers, nbytes, per_tensor=True, limit=raw)
+        if "direct" in args.transports:
+            self.push_cases(run.size, run.trainer, worker, run.nbytes, run.copy_s)
+        if "ipc" not in args.transports or args.quick:
+            return
+        first = args.buffer_mib[0]
+        for buffer_mib in args.buffer_mib:
+            for nbuf in (1, 2, 3):
+                if buffer_mib * MIB <= max(2 * run.nbytes, first * MIB):
+                    self.sync_case(run, "weightsync ipc (knobs)", "ipc", buffer_mib, nbuf, run.copy_s, [worker])
+        reference_case(self, run.size, run.trainer, worker, run.nbytes, run.copy_s, first)
+
+    def broadcast_cases(self, run: SizeRun) -> float | None:
+        """Broadcast (CPU, gloo) against one raw gloo broadcast of the model's bytes, and the
+        per-tensor baseline; returns that raw limit (None when not measured)."""
+        args, workers = self.args, run.workers
+        if "broadcast" not in args.transports or args.device == "cuda":
+            return None
+        raw = gloo_case(self, run.size, run.trainer, workers, run.nbytes, per_tensor=False)
+        for n in sorted({1, len(workers)}):
+            limit = raw if n == len(workers) else None
+            name = f"weightsync broadcast, {n} receiver(s)"
+            self.sync_case(run, name, "broadcast", None, DEFAULT_NUM_BUFFERS, limit, workers[:n])
+        name = "weightsync broadcast (all packed)"
+        self.sync_case(run, name, "broadcast", None, DEFAULT_NUM_BUFFERS, raw, workers, inplace_bytes=0)
+        if not args.quick:
+            for buffer_mib in args.buffer_mib:
+                self.sync_case(
+                    run, "weightsync broadcast (knobs)", "broadcast", buffer_mib, DEFAULT_NUM_BUFFERS, raw, workers
+                )
+            for nbuf in (1, 3):
+                self.sync_case(run, "weightsync broadcast (knobs)", "broadcast", args.buffer_mib[0], nbuf, raw, workers)
+        gloo_case(self, run.size, run.trainer, workers, run.nbytes, per_tensor=True, limit=raw)
+        return raw
+
+    def other_cases(self, run: SizeRun, raw: float | None) -> None:
+        """The sharded trainer, the vLLM TP engine, LoRA, and the baselines outside weightsync."""
+        args, size, cuda = self.args, run.size, self.args.device == "cuda"
         if args.sharded_ranks and cuda:
             print(f"{size:>6} {'sharded trainer cases':<34} skipped: CPU only (gloo ranks)", flush=True)
         elif args.sharded_ranks:
-            sharded_cases(self, size, workers, nbytes, {"broadcast": raw, "direct": copy_s, "ipc": copy_s})
+            sharded_cases(
+                self, size, run.workers, run.nbytes, {"broadcast": raw, "direct": run.copy_s, "ipc": run.copy_s}
+            )
         if args.vllm_tp and cuda:
             print(f"{size:>6} {'vllm TP cases':<34} skipped: CPU only (one GPU holds no TP pairs)", flush=True)
         elif args.vllm_tp:
-            engine_tp_cases(self, size, copy_s)
+            engine_tp_cases(self, size, run.copy_s)
         if args.lora_rank:
             lora_cases(self, size)
-        if cuda and "naive" in args.transports:
-
-            def naive() -> None:
-                handles = self.get(trainer.call.remote(probes.export_per_tensor))
-                self.get(workers[0].call.remote(probes.import_per_tensor, handles))
-
-            self.timed(
-                Case(size, "naive: one CUDA IPC handle per tensor", nbytes, limit_s=copy_s), lambda: naive(), parties
-            )
-        if "objectstore" in args.transports and nbytes <= args.object_store_max_mb * 1e6:
-
-            def object_store() -> None:
-                self.get(workers[0].call.remote(probes.load_state, trainer.call.remote(probes.state_cpu)))
-
-            self.timed(
-                Case(size, "ray object store (put/get state dict)", nbytes, limit_s=copy_s),
-                lambda: object_store(),
-                parties,
-            )
+        outside_cases(self, size, run.trainer, run.workers[0], run.nbytes, run.copy_s)
 
     def push_cases(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
         """Direct in push mode: ``sync()`` as one Ray call (to the trainer), and a push from
@@ -265,7 +284,7 @@ class Bench:
         from weightsync.glue.coordinator import WeightSync
 
         base = self.memory_base([trainer, worker])
-        ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout)
+        ws = WeightSync(trainer, [worker], transport="direct", push=True, timeout_s=self.timeout_s)
         ws.setup()
 
         def by_sync() -> float:
@@ -283,87 +302,3 @@ class Bench:
             [trainer, worker],
         )
         ws.close()
-
-    def ray_floor_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float) -> None:
-        """The hand-off floor: a colocated sync's shape (one call per side, started
-        together, waited for once), doing nothing; then the same with calls as long as one
-        raw copy, from 1 ms up: Ray was measured to return a call that lasted a while
-        later than a no-op (docs/benchmarks.md), so a sync's time minus the copy and this
-        second row is what weightsync itself adds."""
-
-        def one() -> None:
-            self.get([worker.call.remote(probes.nothing), trainer.call.remote(probes.nothing)])
-
-        self.timed(
-            Case(size, "ray floor: one no-op call per side", nbytes, note="what any sync pays for Ray"),
-            one,
-            [trainer, worker],
-        )
-        if copy_s < 1e-3:
-            return
-
-        def long() -> float:
-            start = time.perf_counter()
-            self.get([worker.call.remote(probes.polling, copy_s), trainer.call.remote(probes.polling, copy_s)])
-            return time.perf_counter() - start - copy_s
-
-        self.timed(
-            Case(size, "ray floor: calls as long as a copy", nbytes, note="Ray's share, the copy's length taken off"),
-            long,
-            [trainer, worker],
-        )
-
-    def reference_case(self, size: str, trainer: Any, worker: Any, nbytes: int, copy_s: float, buffer_mib: int) -> None:
-        """The reference design: one slot, pack then consume, a Ray round trip each, per chunk."""
-        from weightsync.glue.coordinator import WeightSync
-
-        base = self.memory_base([trainer, worker])
-        ws = WeightSync(
-            trainer, [worker], transport="ipc", buffer_bytes=buffer_mib * MIB, num_buffers=1, timeout_s=self.timeout
-        )
-        manifest = ws.setup()
-
-        def one() -> None:
-            for chunk in manifest.chunks:
-                handle = self.get(trainer.pack_chunk.remote(chunk.index, 0, ws.label))
-                self.get(worker.consume_chunk.remote(handle))
-
-        self.timed(
-            Case(
-                size,
-                "reference: 1 slot, serialized via Ray",
-                nbytes,
-                buffer_mib,
-                1,
-                limit_s=copy_s,
-                note=f"{len(manifest.chunks)} chunks",
-            ),
-            one,
-            [trainer, worker],
-            base,
-        )
-        ws.close()
-
-    def gloo_case(
-        self, size: str, trainer: Any, workers: list[Any], nbytes: int, per_tensor: bool, limit: float | None = None
-    ) -> float:
-        world = len(workers) + 1
-        port = self.get(trainer.call.remote(probes.gloo_open_store, "127.0.0.1", world))
-        self.get(
-            [trainer.call.remote(probes.gloo_join_root, "127.0.0.1", world)]
-            + [w.call.remote(probes.gloo_join, "127.0.0.1", port, r, world) for r, w in enumerate(workers, start=1)]
-        )
-
-        def one() -> None:
-            self.get([p.call.remote(probes.gloo_broadcast, per_tensor, nbytes) for p in [trainer, *workers]])
-
-        name = (
-            "naive: one gloo broadcast per tensor"
-            if per_tensor
-            else f"raw limit: one gloo broadcast, {len(workers)} recv"
-        )
-        case = self.timed(Case(size, name, nbytes, limit_s=limit), one, [trainer, workers[0]])
-        self.get([p.call.remote(probes.gloo_close) for p in [trainer, *workers]])
-        if not per_tensor:
-            case.limit_s = case.median
-        return case.median

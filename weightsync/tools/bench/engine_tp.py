@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.wire.settings import MIB
 from weightsync.tools.bench.report import Case
 from weightsync.tools.bench.sharded import Timer
 
@@ -118,10 +119,10 @@ def engine_tp_cases(bench: Timer, size: str, copy_s: float | None) -> None:
             tensor_parallel_size=tp,
             env=env,
             name=f"vllm-tp{tp}",
-            timeout_s=bench.timeout,
+            timeout_s=bench.timeout_s,
         )
         ranks = trainer_ranks(
-            ShardedLlama(path, bench.timeout), tp, actor_options={"num_cpus": 0}, wire_dtype=torch.bfloat16
+            ShardedLlama(path, bench.timeout_s), tp, actor_options={"num_cpus": 0}, wire_dtype=torch.bfloat16
         )
         try:
             bench.get([engine.pid.remote(), *[r.pid.remote() for r in ranks]])
@@ -146,16 +147,14 @@ def _one_case(
 ) -> None:
     from weightsync.glue.coordinator import WeightSync
 
-    ws = WeightSync(ranks, {"vllm": engine}, transport=transport, timeout_s=bench.timeout)
+    ws = WeightSync(ranks, {"vllm": engine}, transport=transport, timeout_s=bench.timeout_s)
     try:
         built = ws.setup()
     except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
         bench.not_run(size, name, exc)
         return
     # The Llama's own bytes on the wire (about the size's; the limit is one copy of the size).
-    case = Case(
-        size, name, built.total_bytes, built.agreed.buffer_bytes / 2**20, built.agreed.num_buffers, limit_s=limit
-    )
+    case = Case(size, name, built.total_bytes, built.agreed.buffer_bytes / MIB, built.agreed.num_buffers, limit_s=limit)
     held: list[float] = []
 
     def one() -> float:

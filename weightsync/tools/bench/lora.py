@@ -77,7 +77,7 @@ def lora_cases(bench: Timer, size: str) -> None:
             for lora in (True, False):
                 name = f"lora r={rank}, {transport}: {'adapter' if lora else 'whole model'}"
                 base = bench.memory_base(parties)
-                ws = WeightSync(trainer, [worker], transport=transport, lora=lora, timeout_s=bench.timeout)
+                ws = WeightSync(trainer, [worker], transport=transport, lora=lora, timeout_s=bench.timeout_s)
                 try:
                     manifest = ws.setup()
                 except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on

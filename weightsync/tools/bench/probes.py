@@ -108,26 +108,26 @@ def import_per_tensor(model: torch.nn.Module, handles: list[tuple[str, Any]]) ->
 _RAW: dict[str, Any] = {}
 
 
-def gloo_join(model: torch.nn.Module, host: str, port: int, rank: int, world: int) -> None:
+def gloo_join(model: torch.nn.Module, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
     from weightsync.mechanisms.gloo import GlooCommunicator
 
-    _RAW["comm"] = GlooCommunicator(host, port, rank, world, "bench-raw", 300.0, bind_host=host)
+    _RAW["comm"] = GlooCommunicator(host, port, rank, world, "bench-raw", timeout_s, bind_host=host)
 
 
-def gloo_open_store(model: torch.nn.Module, host: str, world: int) -> int:
+def gloo_open_store(model: torch.nn.Module, host: str, world: int, timeout_s: float) -> int:
     from weightsync.mechanisms.gloo import open_store
 
-    _RAW["store"] = open_store(host, 0, world, 300.0)
+    _RAW["store"] = open_store(host, 0, world, timeout_s)
     return int(_RAW["store"].port)
 
 
-def gloo_join_root(model: torch.nn.Module, host: str, world: int) -> None:
+def gloo_join_root(model: torch.nn.Module, host: str, world: int, timeout_s: float) -> None:
     from weightsync.mechanisms.gloo import GlooCommunicator
 
-    _RAW["comm"] = GlooCommunicator(host, 0, 0, world, "bench-raw", 300.0, bind_host=host, store=_RAW["store"])
+    _RAW["comm"] = GlooCommunicator(host, 0, 0, world, "bench-raw", timeout_s, bind_host=host, store=_RAW["store"])
 
 
-def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> None:
+def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int, timeout_s: float) -> None:
     """Root and receivers alike: one buffer of ``nbytes``, or every tensor in turn.
 
     The buffer's pages are written once before it is sent: the kernel sends a buffer never
@@ -137,7 +137,7 @@ def gloo_broadcast(model: torch.nn.Module, per_tensor: bool, nbytes: int) -> Non
     from weightsync.core.sinks import module_tensors
 
     comm = _RAW["comm"]
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     if per_tensor:
         for _, tensor in module_tensors(model):
             comm.broadcast(tensor.detach(), 0).wait(deadline)

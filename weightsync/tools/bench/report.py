@@ -16,8 +16,6 @@ from typing import Any
 
 from weightsync.core.wire.errors import SettingsError
 
-MIB = 1024 * 1024
-
 
 @dataclass
 class Case:

@@ -27,7 +27,8 @@ from typing import Any, Literal, Protocol
 from torch import nn
 
 import weightsync.tools.bench.probes as probes
-from weightsync.tools.bench.report import MIB, Case
+from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, MIB
+from weightsync.tools.bench.report import Case
 from weightsync.tools.models import SIZES, PolicyConfig, build_policy
 
 
@@ -35,7 +36,7 @@ class ShardedPolicyFactory:
     """One rank's model (picklable): join the group from the rank's environment
     (:class:`~weightsync.glue.ranks.RankSpec`), build the size's policy, shard it with FSDP2."""
 
-    def __init__(self, size: str, seed: int = 0, timeout_s: float = 300.0) -> None:
+    def __init__(self, size: str, seed: int, timeout_s: float) -> None:
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
         self.cfg = PolicyConfig(**{**SIZES[size].__dict__, "seed": seed})
@@ -57,7 +58,7 @@ class Timer(Protocol):
     """What these cases need of :class:`weightsync.tools.bench.driver.Bench`."""
 
     args: Any
-    timeout: float
+    timeout_s: float
 
     def get(self, ref: Any) -> Any: ...
 
@@ -91,7 +92,7 @@ def sharded_cases(bench: Timer, size: str, workers: list[Any], nbytes: int, limi
     from weightsync.glue.actors import trainer_ranks
 
     for world in bench.args.sharded_ranks:
-        ranks = trainer_ranks(ShardedPolicyFactory(size, 0, bench.timeout), world, actor_options={"num_cpus": 0})
+        ranks = trainer_ranks(ShardedPolicyFactory(size, 0, bench.timeout_s), world, actor_options={"num_cpus": 0})
         try:
             bench.get([r.pid.remote() for r in ranks])  # built and sharded before anything is timed
             for transport in ("owners", "broadcast", "owner-writes", "direct", "ipc"):
@@ -126,8 +127,8 @@ def _one_case(
         members,
         transport=transport,
         buffer_bytes=sharded_buffer_bytes(args),
-        num_buffers=2,
-        timeout_s=bench.timeout,
+        num_buffers=DEFAULT_NUM_BUFFERS,
+        timeout_s=bench.timeout_s,
     )
     recv = f", {len(members)} recv" if transport in ("broadcast", "owners") else ""
     name = f"sharded {world} ranks: {transport}{recv}"
@@ -136,7 +137,7 @@ def _one_case(
     except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
         bench.not_run(size, name, exc)
         return
-    case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, 2, limit_s=limit)
+    case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, DEFAULT_NUM_BUFFERS, limit_s=limit)
 
     def one() -> float:
         report = ws.sync(bench.next_version())

@@ -287,24 +287,53 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
             return None
         return as_bytes(dest.detach())
 
+    def _resources(self, plan: Sequence[Chunk], direct: Sequence[torch.Tensor | None]) -> list[int | None]:
+        """What each chunk lands in besides its destination: a buffer slot (its index), the
+        scratch (-1), or nothing (None: an in-place chunk received straight into it)."""
+        resource: list[int | None] = []
+        packed = 0
+        for chunk, target in zip(plan, direct):
+            if not chunk.inplace:
+                resource.append(packed % self.nbuf)
+                packed += 1
+            else:
+                resource.append(None if target is not None else -1)
+        return resource
+
+    def _land(
+        self,
+        chunk: Chunk,
+        held: int | None,
+        landed: torch.Tensor | None,
+        scratch_bytes: int,
+        unpacker: ChunkUnpacker,
+        sink: Landing,
+        verify: bool,
+    ) -> int | None:
+        """Hand a received chunk to the sink: unpack it from the slot or scratch it was
+        received into (``held``), or nothing to do for one already ``landed`` in its
+        destination; its checksum with ``verify``."""
+        lane = self.lane if chunk.inplace else held
+        assert lane is not None
+        with self.streams.use(lane):
+            if held is None:
+                assert landed is not None
+                return contiguous_checksum(landed) if verify else None
+            buffer = self.scratch(scratch_bytes) if held < 0 else self.buffers()[held]
+            handed = unpacker.unpack(chunk, buffer)
+            if handed:
+                sink.consume(handed)
+            return byte_checksum(buffer, chunk.nbytes) if verify else None
+
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         deadline = self.deadlines.follower(time.monotonic())
         manifest = self.manifest
         destinations = sink.destinations(manifest)
         unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plan = manifest.broadcast_chunks
-        nbuf = self.nbuf
         direct = [self._direct_target(c, destinations) for c in plan]
         scratch_bytes = max((c.nbytes for c, d in zip(plan, direct) if c.inplace and d is None), default=0)
-        # What each chunk lands in besides its destination: a buffer slot, the scratch, or nothing.
-        resource: list[int | None] = []
-        packed = 0
-        for chunk, target in zip(plan, direct):
-            if not chunk.inplace:
-                resource.append(packed % nbuf)
-                packed += 1
-            else:
-                resource.append(None if target is not None else -1)
+        resource = self._resources(plan, direct)
         self.agree(deadline)
         begin()
         posted: dict[int, Work] = {}
@@ -339,22 +368,11 @@ class BroadcastReceiver(PackedGroup, ReceiveHalf):
             post_ahead(index)
             posted.pop(index).wait(deadline)
             held = resource[index]
-            lane = self.lane if chunk.inplace else held
-            assert lane is not None
-            with self.streams.use(lane):
-                if held is None:
-                    if call.verify:
-                        landed = direct[index]
-                        assert landed is not None
-                        checksums.append(contiguous_checksum(landed))
-                else:
-                    buffer = self.scratch(scratch_bytes) if held < 0 else self.buffers()[held]
-                    handed = unpacker.unpack(chunk, buffer)
-                    if handed:
-                        sink.consume(handed)
-                    if call.verify:
-                        checksums.append(byte_checksum(buffer, chunk.nbytes))
-                    busy.discard(held)
+            checksum = self._land(chunk, held, direct[index], scratch_bytes, unpacker, sink, call.verify)
+            if checksum is not None:
+                checksums.append(checksum)
+            if held is not None:
+                busy.discard(held)
         self.streams.drain(deadline, f"{self.me}: unpacking the last chunk did not complete in time")
         unpacker.finish()
         self.done()
