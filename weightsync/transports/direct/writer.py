@@ -268,6 +268,7 @@ class DirectWriter(TornDown, SendHalf):
             return False
         with torch.no_grad():  # sources may be parameters that require grad
             if copier is not None and plan is not None:
+                self._still_wanted(worker, mapped, 0, seq)  # one launch copies every tensor
                 copier.run(plan, mapped.destinations, tensors, self._streams.stream(0))
             else:
                 with self._streams.use(0):
