@@ -237,3 +237,36 @@ def shrink_shard(model: nn.Module, name: str, rows: int = 1) -> tuple[int, ...]:
 def restore_shard(model: nn.Module) -> None:
     module, attr, old = model._shrunk  # type: ignore[misc]
     setattr(module, attr, old)
+
+
+def nudge_own(model: nn.Module, seed: int) -> None:
+    """Run on every rank: about 2% of the elements each rank owns move (its rows of a sharded
+    tensor; a replicated or plain tensor the same way on every rank), a sparse update."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            split = isinstance(t, DTensor) and not t.placements[0].is_replicate()
+            local = t.to_local() if isinstance(t, DTensor) else t
+            gen = torch.Generator().manual_seed(seed * 1000 + (dist.get_rank() if split else 0))
+            flat = local.view(-1)
+            picked = torch.rand(flat.numel(), generator=gen) < 0.02
+            flat[picked] += torch.randn(int(picked.sum()), generator=gen).to(flat.dtype)
+
+
+def loading_lm(seed: int = 0, **shape: Any) -> nn.Module:
+    """:func:`plain_lm` that also loads the way engines do: ``load_weights`` by name."""
+    model = plain_lm(seed, **shape)
+    held = dict([*model.named_parameters(), *model.named_buffers()])
+
+    def load_weights(weights: Any) -> set[str]:
+        names = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                held[name].copy_(tensor)
+                names.add(name)
+        return names
+
+    model.load_weights = load_weights  # type: ignore[assignment]
+    return model

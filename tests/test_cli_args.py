@@ -46,6 +46,10 @@ from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect
         (["demo", "--transport", "owner-writes"], "--transport", "sharded trainer"),
         (["demo", "--transport", "rank-ipc"], "--transport", "rank-ipc"),
         (["demo", "--transport", "bogus"], "--transport", "bogus"),
+        (["bench", "--changed", "0%"], "--changed", "0%"),
+        (["bench", "--changed", "1%,150%"], "--changed", "150%"),
+        (["bench", "--changed", "adamw:fast"], "--changed", "adamw:fast"),
+        (["bench", "--changed", "10"], "--changed", "10"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_option(

@@ -253,7 +253,7 @@ def test_more_in_place_operations_in_flight_than_buffers_with_temporaries_stay_b
 
 def test_verify_catches_a_corrupted_in_place_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flip a bit of an in-place tensor after it landed: the chunk checksums must differ."""
-    from weightsync.transports.broadcast import halves as broadcast
+    from weightsync.transports.broadcast import receiver as broadcast
 
     model = Model(0)
     sender = WeightSender(model)

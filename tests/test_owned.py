@@ -300,6 +300,38 @@ def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(
         assert [get(r.walk_stats.remote())[0] for r in ranks] == [0, 0]
 
 
+def test_delta_syncs_each_rank_diffs_only_what_it_sends(pool: ActorPool, two: dict[str, Any]) -> None:
+    """Owner sends with deltas: every rank encodes its own rows against its own base, the
+    workers (a module sink, a load_weights sink) patch their rows; a colocated ipc worker
+    served by rank 1 gets rank 1's deltas of the gathered model; bit-exact throughout."""
+    ranks = two["ranks"]
+    worker = partial(fm.plain_lm, tied=True, **SHAPE)
+    workers = {
+        "od": pool.add(WorkerActor.options(num_cpus=0).remote(worker)),
+        "ol": pool.add(
+            WorkerActor.options(num_cpus=0).remote(partial(fm.loading_lm, tied=True, **SHAPE), sink="load_weights")
+        ),
+        "id": pool.add(WorkerActor.options(num_cpus=0).remote(worker)),
+    }
+    transport = {"od": "owners", "ol": "owners", "id": "ipc"}
+    with WeightSync(
+        ranks, workers, transport=transport, worker_ranks={"id": 1}, buffer_bytes=BUFFER, delta=True, timeout_s=30
+    ) as ws:
+        first = ws.sync(1)
+        assert {w.encoding for w in first.workers} == {"dense"}
+        for version in (2, 3, 4):
+            get([r.call.remote(fm.nudge_own, version) for r in ranks])
+            report = ws.sync(version, verify=version == 3)
+            assert {w.name: w.encoding for w in report.workers} == dict.fromkeys(workers, "delta"), report.summary()
+            # owners: both ranks' deltas of their own rows, added up; ipc: rank 1's of the model.
+            sent = {w.name: w.sent_bytes for w in report.workers}
+            assert sent["od"] == sent["ol"] and max(sent.values()) == report.sent_bytes < 0.8 * report.bytes, sent
+            assert_synced(ranks, workers)
+        # Rank 1 gathers the model once for its ipc worker's encoding (rank 0 joins the gathers).
+        assert [get(r.walk_stats.remote())[0] > 0 for r in ranks] == [True, True]
+        ws.verify()
+
+
 def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two: dict[str, Any]) -> None:
     ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
     pid = get(ranks[1].pid.remote())

@@ -256,6 +256,27 @@ def test_sync_through_the_native_weight_transfer_backend(engine: Any, trainer: A
     assert get(engine.weight_version.remote()) == "3"
 
 
+def test_delta_syncs_reach_the_engine_bit_exact_and_it_serves_the_trainers_logprobs(engine: Any, trainer: Any) -> None:
+    """A delta session into the engine: the first sync is dense; after small steps only the
+    changed elements travel (over ipc, then broadcast), the engine's sink rebuilds whole
+    tensors from its own copy of the wire bytes and loads them through vLLM's reload."""
+    for transport, versions in (("ipc", (4, 5, 6)), ("broadcast", (7, 8))):
+        with WeightSync(trainer, {"vllm": engine}, transport=transport, delta=True, timeout_s=120) as ws:
+            encodings = []
+            for version in versions:
+                get(trainer.call.remote(sgd_step, version, 2e-4))
+                report = ws.sync(version, verify=version == 5)
+                encodings.append(report.workers[0].encoding)
+                print(report.summary())
+                if encodings[-1] == "delta":
+                    assert 0 < report.sent_bytes < report.bytes / 2, report.summary()
+                assert_engine_holds(engine, trainer)
+            assert encodings == ["dense", *["delta"] * (len(versions) - 1)], encodings
+    assert_logprobs_match(engine, None, trainer)
+    (rank,) = get(engine.ranks.remote())
+    assert (rank.version, rank.state) == (8, "committed")
+
+
 def test_a_trainer_with_a_different_model_is_refused_by_name_and_the_engine_keeps_serving(
     engine: Any, actors: Any
 ) -> None:
@@ -296,11 +317,11 @@ def _die_on_load(worker: Any) -> None:
 
 def test_an_engine_that_dies_during_a_sync_gives_a_named_error(engine: Any, trainer: Any) -> None:
     """Runs last: it kills the module's engine."""
-    get(trainer.call.remote(sgd_step, 4))
+    get(trainer.call.remote(sgd_step, 9))
     get(engine.collective_rpc.remote(_die_on_load))
     ws = WeightSync(trainer, {"vllm": engine}, timeout_s=60)
     with pytest.raises(SyncError) as err:
-        ws.sync(4)
+        ws.sync(9)
     assert err.value.culprits == ["vllm"], err.value
     said = err.value.outcomes["vllm"].message
     assert err.value.outcomes["vllm"].error == "EngineCallError" and "died" in said

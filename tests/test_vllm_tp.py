@@ -103,6 +103,25 @@ def test_every_tp_rank_receives_and_holds_its_shard_bit_exact(engine: Any, train
         )
 
 
+def test_delta_syncs_reach_both_tp_ranks_through_the_relay(engine: Any, trainer: Any) -> None:
+    """A delta session into a TP=2 engine: TP rank 0 rebuilds each changed tensor from its
+    own copy of the wire bytes and, as vLLM's reload needs whole layers, loads every tensor
+    and relays it to rank 1, as a dense sync does; only the changed elements travel."""
+    with WeightSync(trainer, {"vllm-tp2": engine}, delta=True, timeout_s=120) as ws:
+        for version in (3, 4, 5):
+            get(trainer.call.remote(sgd_step, version, 2e-4))
+            before = [r.loaded_tensors for r in get(engine.ranks.remote())]
+            report = ws.sync(version)
+            specs = len(ws.manifest.specs)  # type: ignore[union-attr]
+            assert report.workers[0].encoding == ("dense" if version == 3 else "delta"), report.summary()
+            assert version == 3 or report.sent_bytes < report.bytes / 4, report.summary()
+            ranks = get(engine.ranks.remote())
+            assert [r.fed_by for r in ranks] == ["ipc", "relay"]
+            assert [r.loaded_tensors - b for r, b in zip(ranks, before)] == [specs, specs]
+            assert_every_rank_holds_its_shard(engine, get(trainer.call.remote(vm.fused_bf16)))
+    assert_logprobs_match(engine, None, trainer)
+
+
 @pytest.fixture(scope="module")
 def sharded(engine: Any, checkpoint: str, pool: ActorPool) -> list[Any]:
     """Two FSDP2 ranks (gloo) of the engine's model, beside its two TP ranks (one CPU node)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -84,6 +84,13 @@ class Sources:
         #: by default ``tensors``), for a transport that sends only what each rank owns.
         self.local = tensors if local is None else local
         self.checksums: list[int] | None = None
+        #: A delta session's sync as the encoder prepared it (``weightsync.core.delta.
+        #: encoder.PreparedSync``): a half that carries deltas asks it what to send its
+        #: peers (``for_peers``); None outside delta sessions.
+        self.delta: Any = None
+        #: The party's delta session (``weightsync.core.delta.sending.DeltaSending``), for a
+        #: half that encodes its own tensors (``SendHalf.own_deltas``); None without deltas.
+        self.deltas: Any = None
 
 
 class Rider(Protocol):
@@ -104,6 +111,17 @@ class SendHalf(abc.ABC):
     """The trainer's half of one transport for one session."""
 
     kind: ClassVar[str]
+    #: True when, in a delta session, every sync of this half starts with the delta header
+    #: and may carry a delta (``weightsync.core.delta``); the others always send dense.
+    carries_deltas: ClassVar[bool] = False
+    #: True for a half that, in a delta session, encodes its own tensors with an encoder of
+    #: its own (``Sources.deltas.encoder_for(kind)``: owner sends, each rank its rows), so
+    #: the sender's one encoding walk does not serve it.
+    own_deltas: ClassVar[bool] = False
+    #: Set by :meth:`send` to the bytes this half moved in the sync (each once, whatever
+    #: its peers) when that is not the Manifest's total: a delta, or a rank that sends only
+    #: its own rows. The sender clears it before every sync.
+    sent_nbytes: int | None = None
 
     @abc.abstractmethod
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
@@ -158,6 +176,9 @@ class ReceiveHalf(abc.ABC):
     """A worker's half of one transport for one session."""
 
     kind: ClassVar[str]
+    #: See :attr:`SendHalf.carries_deltas`: such a half is handed the sink wrapped in a
+    #: ``weightsync.core.delta.landing.DeltaReceiving`` in a delta session.
+    carries_deltas: ClassVar[bool] = False
     #: True when ``receive`` returning means the trainer finished its side too (the
     #: colocated transports see it on the control block), so the worker may commit at once.
     #: A broadcast receiver cannot tell, and commits in a later call.

@@ -27,19 +27,14 @@ import torch
 from torch import nn
 
 from weightsync.core.checking import check_commit
+from weightsync.core.delta.landing import DeltaReceiving, landing_for
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
 from weightsync.core.ownership import foreign, refuse_foreign
 from weightsync.core.plugin import Listening
 from weightsync.core.sinks import ModuleSink, Sink, taken_overflows, watch_casts
 from weightsync.core.wire.casts import TensorCast
-from weightsync.core.wire.errors import (
-    ChecksumMismatch,
-    ManifestError,
-    PeerAborted,
-    VersionError,
-    WeightSyncError,
-)
+from weightsync.core.wire.errors import ChecksumMismatch, ManifestError, PeerAborted, VersionError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
@@ -96,6 +91,10 @@ class WeightReceiver:
         #: Which part of its worker this receiver is, of how many (an engine's TP rank k of N
         #: when each rank receives on its own); set by the endpoint that makes it.
         self.part = (0, 1)
+        #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
+        #: to), and this sync's header's (new token, whether a delta) until it commits.
+        self.held_token: int | None = None
+        self._header: tuple[int | None, bool | None] = (None, None)
 
     def accept(
         self,
@@ -128,6 +127,8 @@ class WeightReceiver:
         self.owner = owner
         self.casts = casts
         watch_casts(self.sink, casts)
+        if callable(keep := getattr(self.sink, "keep_base", None)):  # a sink that rebuilds whole tensors
+            keep(manifest.agreed.delta)  # keeps the wire bytes to apply deltas to
         return casts
 
     @property
@@ -165,6 +166,7 @@ class WeightReceiver:
         checksums: list[int] = []
         stale: tuple[str, ...] = ()
         held: list[int] | None = None
+        self._header = (None, None)
         try:
             half.start(call)
             self._check_version(call)
@@ -174,7 +176,12 @@ class WeightReceiver:
                     "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
                 )
             taken_overflows(self.sink)  # what an earlier sync that failed midway counted
-            checksums, stale = half.receive(self.sink, call, self._begin)
+            committed = self.state is WorkerState.COMMITTED
+            manifest = self.session.manifest
+            landing = landing_for(self.sink, manifest, half, self.held_token if committed else None, self.name)
+            checksums, stale = half.receive(landing, call, self._begin)
+            if isinstance(landing, DeltaReceiving) and landing.header is not None:
+                self._header = (landing.header.new_token, landing.took_delta)
             if call.verify and not stale:
                 held = self.sink.checksums(self.session.manifest)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
@@ -200,6 +207,8 @@ class WeightReceiver:
             transport=half.kind,
             held=held,
             overflows=taken_overflows(self.sink),
+            delta=self._header[1],
+            token=self.held_token or 0,
         )
 
     def receive_pushed(self, call: SyncCall) -> ReceiveResult:
@@ -254,14 +263,8 @@ class WeightReceiver:
                 self._fail()
                 raise
         self._commit(call.version)
-        return ReceiveResult(
-            worker=self.name,
-            version=self.version,
-            state=self.state.value,
-            checksums=[],
-            seconds=got.seconds,
-            overflows=got.overflows,
-        )
+        token = self.held_token or 0
+        return replace(got, version=self.version, state=self.state.value, checksums=[], held=None, token=token)
 
     def settle(self, owner: str = "") -> tuple[int | None, str]:
         """After a failed sync of coordinator ``owner``: a worker still receiving is dirty
@@ -304,6 +307,7 @@ class WeightReceiver:
                 raise
         self.version = version
         self.state = WorkerState.COMMITTED
+        self.held_token = self._header[0]
 
     def _discard(self) -> None:
         if self._stages():
@@ -312,7 +316,8 @@ class WeightReceiver:
     def _fail(self) -> None:
         """A sync is refused: the worker is dirty if bytes reached its tensors; a staging
         sink's model was never touched, so it goes back to what it was before the sync
-        (its version, committed)."""
+        (its version, committed). Either way it takes no delta until a dense sync."""
+        self.held_token = None
         self._discard()
         if self._stages() and not self._touched:
             if self.state is WorkerState.RECEIVING:

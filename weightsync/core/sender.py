@@ -23,10 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.delta.sending import DeltaSending
 from weightsync.core.halves import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.riders import RiddenTensors
-from weightsync.core.sinks import TensorPaths, module_tensors
+from weightsync.core.sinks import module_tensors
+from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire.adapter import AdapterConfig
 from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
@@ -77,6 +79,8 @@ class WeightSender:
         #: (the coordinators' labels): what a push that finds no session is told.
         self.owner = ""
         self.closed_by = ""
+        #: Delta sessions: the base and its encoder (kept across setups of the same tensors).
+        self.delta: DeltaSending | None = None
 
     def _pairs(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -112,9 +116,15 @@ class WeightSender:
         buffer_bytes = resolve_buffer_bytes(
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
-        manifest = Manifest.build(specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes)
+        manifest = Manifest.build(
+            specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes, settings.delta
+        )
         if adapter is not None:
             manifest = replace(manifest, adapter=adapter)
+        if not settings.delta:
+            self.delta = None  # its base's memory goes with it
+        elif self.delta is None or self.delta.where != settings.delta_base:
+            self.delta = DeltaSending(settings.delta_base)
         self._session = Session(manifest=manifest, party=self.name, server=self.name, timeout_s=settings.timeout_s)
         return manifest
 
@@ -132,13 +142,12 @@ class WeightSender:
         """This sync's tensors in manifest order and their :func:`plan_key`; refuses, naming
         the tensors, a model that changed since setup (added, removed, reshaped, re-typed).
 
-        The tensors may be the module's own parameters, not detached (detaching 194 of them
-        costs more than checking them): copy from them under ``torch.no_grad()``. Names are
-        checked again only when the module's structure changed since the last check
-        (:class:`TensorPaths`): walking and naming every tensor each sync costs more than
-        the copies of a small model. The key of the last checked tensors is kept, and
-        returned as the same object while nothing moved, so a copy plan keyed on it is
-        reused with an identity check.
+        The tensors may be the module's own parameters, not detached (detaching 194 of them costs
+        more than checking them): copy from them under ``torch.no_grad()``. Names are checked again
+        only when the module's structure changed since the last check (:class:`TensorPaths`):
+        walking and naming every tensor each sync costs more than the copies of a small model. The
+        key of the last checked tensors is kept, and returned as the same object while nothing
+        moved, so a copy plan keyed on it is reused with an identity check.
         """
         manifest = self.current_manifest
         plain = self.model is not None and self.source is None and self.transform is None
@@ -228,6 +237,7 @@ class WeightSender:
             stale=stale,
             seconds=time.perf_counter() - start,
             tensor_checksums=sources.checksums or [],
+            sent_bytes=self.sent_bytes(call),
         )
 
     def drive(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[dict[str, list[int]], tuple[str, ...]]:
@@ -237,6 +247,8 @@ class WeightSender:
         destination is compared with before it commits."""
         checksums: dict[str, list[int]] = {}
         stale: tuple[str, ...] = ()
+        for kind in call.kinds:
+            self.open_half(kind).sent_nbytes = None
         if call.verify:
             specs = self.current_manifest.specs
             with torch.no_grad():
@@ -244,6 +256,15 @@ class WeightSender:
                 sources.checksums = read_checksums(
                     [word_sum(t.to(spec.torch_dtype)) for t, spec in zip(sources.tensors, specs)]
                 )
+        prepared = (
+            self.delta.prepare(self.current_manifest, self.halves, sources, call, self.device) if self.delta else None
+        )
+        sources.delta = prepared  # what the caller reports (sent bytes, the base's token)
+        if prepared is not None and sources.streamed:
+            # The encoder made this sync's one walk: every half sends from the base.
+            walked = Sources(prepared.dense, None, local=sources.local)
+            walked.checksums, walked.delta, sources = sources.checksums, prepared, walked
+        sources.deltas = self.delta if self.current_manifest.agreed.delta else None
         riders = self._riders(sources, call, deadline)
         shared = RiddenTensors(sources.tensors, list(riders.values())) if riders else None
         carried = Sources(shared, None, streamed=True, local=sources.local) if shared is not None else sources
@@ -259,7 +280,15 @@ class WeightSender:
         for kind, rider in riders.items():
             checksums[kind], found = rider.finish()
             stale += found
+        if prepared is not None:
+            prepared.complete()
         return checksums, stale
+
+    def sent_bytes(self, call: SyncCall) -> dict[str, int]:
+        """Per transport of the sync just sent, the bytes it moved (each once, whatever its
+        peers): what the half says (a delta, a rank's own rows), else the Manifest's."""
+        total = self.current_manifest.total_bytes
+        return {kind: n if (n := self.open_half(kind).sent_nbytes) is not None else total for kind in call.kinds}
 
     def _riders(self, sources: Sources, call: SyncCall, deadline: float) -> dict[str, Rider]:
         """On streamed sources, the halves that ride the walk of another (none when no half
@@ -291,7 +320,10 @@ class WeightSender:
 
     def walks(self, call: SyncCall) -> int:
         """The passes over the tensors this sync makes: one for the checksums with ``verify``,
-        then its halves' (see weightsync.core.sharded)."""
+        then its halves' (see weightsync.core.sharded); in a delta session the encoder's
+        one walk serves every half."""
+        if self.delta is not None and self.delta.carried(self.current_manifest, self.halves, call):
+            return int(call.verify) + 1
         carried = self._carrier(call)
         return int(call.verify) + sum(
             self.open_half(kind).walks(call.to(kind), call.verify)

@@ -256,7 +256,13 @@ class ShardedSender(WeightSender):
             self.abort_halves(call, failure)
             raise failure
         sums = streamed.checksums if streamed is not None and streamed.checksums else []
-        return SendResult(checksums=checksums, stale=stale, seconds=time.perf_counter() - start, tensor_checksums=sums)
+        return SendResult(
+            checksums=checksums,
+            stale=stale,
+            seconds=time.perf_counter() - start,
+            tensor_checksums=sums,
+            sent_bytes=self.sent_bytes(call),
+        )
 
     def checksums(self) -> list[int]:
         """Per tensor, the checksum of the full tensor as it travels (every rank calls it)."""

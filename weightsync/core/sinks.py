@@ -16,8 +16,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from weightsync.core.delta.apply import apply_delta
+from weightsync.core.delta.encoding import Kind
+from weightsync.core.delta.wire_copy import WireCopy
 from weightsync.core.halves import Landing
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
+from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire.casts import TensorCast, overflows
 from weightsync.core.wire.dtypes import dtype_from_name
 from weightsync.core.wire.errors import ManifestError, ModelChangedError, WeightSyncError
@@ -43,66 +47,6 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(buffer))
             out.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
     return out
-
-
-class TensorPaths:
-    """The objects along the path to each named tensor of a module, for a cheap re-check.
-
-    Each link (a module's ``_modules``, ``_parameters`` or ``_buffers`` entry) is recorded
-    once; :meth:`unchanged` looks each up again. If every link still holds the same object,
-    every name still reaches the same tensor object, without walking the module tree or
-    building names (which costs more per sync than the copies of a small model).
-    The number of entries in every module's tables is recorded too, so a tensor or module
-    added anywhere is noticed, and so is each module's set of non-persistent buffers, so a
-    buffer made persistent or non-persistent (which a full walk would add or drop) is too. A tensor object can still have been given new storage or a
-    new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
-    """
-
-    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
-        links: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
-
-        def follow(name: str) -> torch.Tensor:
-            owner = module
-            *path, leaf = name.split(".")
-            for part in path:
-                child = owner._modules[part]
-                assert child is not None
-                links[(id(owner._modules), part)] = (owner._modules, part, child)  # type: ignore[assignment]
-                owner = child
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
-            tensor = table[leaf]
-            assert tensor is not None
-            links[(id(table), leaf)] = (table, leaf, tensor)  # type: ignore[assignment]
-            return tensor
-
-        self.tensors = [follow(name) for name in names]
-        # Every other name of a tied or shared tensor too: untying one (a new tensor under
-        # the second name) must send the caller back to a full check.
-        for alias, _ in module.named_parameters(remove_duplicate=False):
-            follow(alias)
-        for module_name, sub in module.named_modules(remove_duplicate=False):
-            for buffer_name in sub._buffers:
-                if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
-                    follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
-        self._links = list(links.values())
-        # How many entries each module's tables hold: a tensor or module added anywhere
-        # (which no recorded link would notice) changes one of these counts.
-        self._census = [
-            (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
-        ]
-        # Which buffers each module keeps out of its state: ``register_buffer(name, buffer,
-        # persistent=...)`` on a registered name moves it in or out of the synced tensors
-        # while every table keeps its objects and counts.
-        self._transient = [
-            (sub._non_persistent_buffers_set, frozenset(sub._non_persistent_buffers_set)) for sub in module.modules()
-        ]
-
-    def unchanged(self) -> bool:
-        return (
-            all(len(table) == count for table, count in self._census)
-            and all(table.get(key) is obj for table, key, obj in self._links)
-            and all(names == then for names, then in self._transient)
-        )
 
 
 class Sink(Landing, Protocol):
@@ -207,6 +151,17 @@ class ModuleSink:
             for name, tensor in items:
                 self._by_name[name].copy_(tensor)
 
+    def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
+        """A delta sync: write the changed elements into the held tensor, in place (it holds
+        the bytes the delta was made against: the receiver checks that first)."""
+        with torch.no_grad():
+            apply_delta(self._order[index].data, spec, kind, count, payload)
+
+    def rows_target(self, index: int, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        """Owner sends in a delta session: the held tensor whose rows pieces are written
+        into or patched (after :meth:`destinations` of this sync)."""
+        return self._order[index].data
+
     def direct_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
         """The held tensors themselves, in manifest order (the direct transport reads their
         data pointers and shapes, copies from them under no_grad, and rebinds them)."""
@@ -250,6 +205,16 @@ class LoadWeightsSink:
     (fp16 held from an fp32 or bf16 wire) it counts, per sync, the values the cast turns
     into ``inf`` (:meth:`watch_casts`, :meth:`take_overflows`).
 
+    In a delta session (``SyncSettings(delta=True)``) the sink keeps its own copy of the
+    wire bytes it was handed (``keep_base``, which the receiver calls at setup), applies
+    each delta to that copy and loads the whole rebuilt tensor: a ``load_weights`` renames,
+    fuses and shards on load, so only a tensor in the checkpoint's coordinates can take the
+    changed elements, and only the worker's own copy holds the unchanged ones. It costs a
+    copy of the model's wire bytes on the worker's device. ``reload_all``: in a delta sync,
+    load the unchanged tensors too (from that copy), for a loader that must see every
+    tensor of a layer to rebuild it (vLLM's layerwise reload leaves a layer it was given
+    part of half built); without it only the changed tensors are loaded.
+
     ``staged``: keep every tensor of a sync (as copies) and load them only once the sync
     commits (:meth:`land`, called by the receiver), so a sync that fails midway, a trainer
     rank dying or a transfer timing out, never reaches the model: the worker keeps serving
@@ -267,8 +232,12 @@ class LoadWeightsSink:
         expected_specs: Sequence[TensorSpec] | None = None,
         record_checksums: bool = True,
         staged: bool = False,
+        reload_all: bool = False,
     ) -> None:
         self._load_weights = load_weights
+        self.reload_all = reload_all
+        #: Delta sessions: the wire bytes last handed over (None: not kept).
+        self._copy: WireCopy | None = None
         self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
@@ -331,7 +300,50 @@ class LoadWeightsSink:
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
         return [None] * len(manifest.specs)
 
+    def keep_base(self, keep: bool) -> None:
+        """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session; one
+        already kept stays, with what the worker holds), or drop it."""
+        self._copy = (self._copy or WireCopy()) if keep else None
+
+    def _wire_copy(self, what: str) -> WireCopy:
+        if self._copy is None:
+            raise WeightSyncError(f"{what} reached a load_weights sink that keeps no copy of the wire bytes; a bug")
+        return self._copy
+
+    def patch(self, index: int, spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> None:
+        """A delta sync: the changed elements into this sink's copy of ``spec``'s bytes, then
+        the whole tensor loaded (see the class doc)."""
+        self._hand([(spec.name, self._wire_copy(f"a delta for {spec.name!r}").patched(spec, kind, count, payload))])
+
+    def delta_done(self, manifest: Manifest, kinds: Sequence[tuple[Kind, int]]) -> None:
+        """After a delta sync's payloads: with ``reload_all``, load the unchanged tensors too."""
+        if self.reload_all and self._copy is not None:
+            self._hand(self._copy.unchanged(manifest, kinds))
+
+    def rows_target(self, index: int, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        """Owner sends in a delta session: where pieces of ``spec``'s tensor are written or
+        patched (this sink's copy), handed over by :meth:`hand_rows` once all arrived."""
+        return self._wire_copy(f"rows of {spec.name!r}").rows_target(spec, device)
+
+    def hand_rows(self, manifest: Manifest, indices: Sequence[int]) -> None:
+        """Load the tensors ``indices`` (every rank's pieces of them landed in the copy); with
+        ``reload_all`` every other tensor too."""
+        copy = self._wire_copy("owner sends")
+        chosen = set(indices) if not self.reload_all else range(len(manifest.specs))
+        self._hand([(s.name, copy.tensors[s.name]) for i, s in enumerate(manifest.specs) if i in chosen])
+
+    def _hand(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors of this sink's own copy: cloned for a loader that keeps them (the
+        copy changes with the next delta)."""
+        if items:
+            self._take([(n, t.clone()) for n, t in items] if self.keeps_references else items)
+
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        if self._copy is not None:
+            self._copy.keep(items)
+        self._take(items)
+
+    def _take(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in items:
                 held = self._narrowed.get(name)

@@ -40,8 +40,9 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.report import SyncReport
 from weightsync.core.wire.session import Deadlines
-from weightsync.core.wire.settings import BufferBytes, SyncSettings
+from weightsync.core.wire.settings import BufferBytes, DeltaBase, SyncSettings
 from weightsync.glue.claims import claimed
+from weightsync.glue.deltas import DeltaBook
 from weightsync.glue.membership import Membership
 from weightsync.glue.metrics import SyncMetrics
 from weightsync.glue.ranks import TrainerRanks
@@ -62,12 +63,14 @@ def resolve_settings(settings: SyncSettings | None, **overrides: Any) -> SyncSet
     return base.with_overrides(**overrides)
 
 
-def check_options(backend: object, push: object) -> None:
+def check_options(backend: object, push: object, ranks: TrainerRanks) -> None:
     """Refuse a ``backend`` or ``push`` that WeightSync does not take, naming it."""
     if backend not in (None, "gloo", "nccl"):
         raise SettingsError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
     if not isinstance(push, bool):
         raise SettingsError(f"push must be True or False, got {push!r}")
+    if push and len(ranks.names) > 1:
+        raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
 
 
 class WeightSync:
@@ -83,7 +86,9 @@ class WeightSync:
     sync is one call to the trainer, and the trainer may also sync from inside its own
     methods (``TrainerMixin.weightsync_push``); see :mod:`weightsync.transports.push.pusher`. ``lora``:
     the trainer's model is a PEFT model and only its LoRA adapter travels (its config is
-    agreed in the handshake; see :mod:`weightsync.core.lora`).
+    agreed in the handshake; see :mod:`weightsync.core.lora`). ``delta``: send each worker
+    only the elements that changed since the bytes it holds (``delta_keyframe``,
+    ``delta_base``: see :class:`~weightsync.core.wire.settings.SyncSettings`).
 
     ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast
@@ -97,6 +102,13 @@ class WeightSync:
     name). The syncs of two WeightSyncs on one sharded trainer must not overlap: the later
     one is refused (:class:`~weightsync.core.wire.errors.ConcurrentSyncError`).
     """
+
+    #: The session's Manifest and the version the workers hold (None before the first sync).
+    manifest: Manifest | None = None
+    version: int | None = None
+    #: Set by close(): a sync or verify would set up again with nobody left to close it.
+    _closed = False
+    _seq = 0
 
     def __init__(
         self,
@@ -116,6 +128,9 @@ class WeightSync:
         worker_ranks: Mapping[str, int] | None = None,
         push: bool = False,
         lora: bool | None = None,
+        delta: bool | None = None,
+        delta_keyframe: int | None = None,
+        delta_base: DeltaBase | None = None,
     ) -> None:
         self.settings = resolve_settings(
             settings,
@@ -127,26 +142,23 @@ class WeightSync:
             verify=verify,
             gather_bytes=gather_bytes,
             lora=lora,
+            delta=delta,
+            delta_keyframe=delta_keyframe,
+            delta_base=delta_base,
         )
-        check_options(backend, push)
+        self.ranks = ranks = TrainerRanks(trainer)
+        check_options(backend, push, ranks)
         self.backend = backend
         self.push = push
-        self.ranks = ranks = TrainerRanks(trainer)
-        if push and len(ranks.names) > 1:
-            raise SettingsError("push=True takes one trainer, not the ranks of a sharded one (not supported yet)")
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
         #: Which session on the trainer's parties is this coordinator's (one per WeightSync),
         #: and how errors name it; ``TrainerMixin.weightsync_push(sync=label)`` picks it.
         self.label = f"WeightSync {uuid.uuid4().hex[:8]}"
         self._build_steps(ranks.check_map(worker_ranks, list(self._members.members)))
-        self.manifest: Manifest | None = None
-        self.version: int | None = None
-        #: Set by close(): a sync or verify would set up again with nobody left to close it.
-        self._closed = False
-        self._seq = 0
         self._lock = threading.Lock()
         self._metrics = SyncMetrics()
+        self._deltas = DeltaBook(self.settings.delta, self.settings.delta_keyframe)
         # Not at interpreter exit: the actors end with the driver then.
         weakref.finalize(self, _close_abandoned, self._members, self.label, self._life).atexit = False
 
@@ -176,6 +188,7 @@ class WeightSync:
         """Add a worker; the next sync sets up again to include it."""
         with self._lock:
             added = self._members.add(name, handle)
+            self._deltas.forget([added])
             self._life.ready = False
             return added
 
@@ -186,6 +199,7 @@ class WeightSync:
                 raise KeyError(f"no worker named {name!r}; known: {sorted(self._members.members)}")
             self._steps.teardown(abort=False, why=f"remove_worker({name!r})")
             self._members.remove(name)
+            self._deltas.forget([name])
 
     @property
     def workers(self) -> dict[str, Any]:
@@ -252,6 +266,7 @@ class WeightSync:
                     report = self._sync(version, check, force)
             except Exception:
                 self._metrics.failed()
+                self._deltas.forget()
                 raise
             self._metrics.record(report)
             # Values a worker's cast on load turned into inf are worth a warning every time.
@@ -265,7 +280,14 @@ class WeightSync:
         start = time.perf_counter()
         members = list(self._members.members.values())
         call = SyncCall(
-            seq=self._seq, version=version, verify=verify, force=force, targets=targets(members), owner=self.label
+            seq=self._seq,
+            version=version,
+            verify=verify,
+            force=force,
+            targets=targets(members),
+            owner=self.label,
+            delta_holds=self._deltas.holds(m.name for m in members),
+            delta_token=self._deltas.token(),
         )
         if self.push:
             sent, results = self._round.push(call, self._set_up)
@@ -292,6 +314,7 @@ class WeightSync:
             results.update(again)
         self._seq += 1
         self.version = version
+        self._deltas.heard(results)
         return build_report(
             version, self.manifest, self._members.members.values(), results, sent, time.perf_counter() - start, verify
         )

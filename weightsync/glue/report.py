@@ -39,6 +39,8 @@ def build_report(
                 held_off_s=r.held_off_s,
                 casts=count_casts(m.casts),
                 overflows=dict(r.overflows),
+                encoding="" if r.delta is None else ("delta" if r.delta else "dense"),
+                sent_bytes=sent.sent_bytes.get(m.transport, manifest.total_bytes),
             )
         )
     plans = [t.plan(manifest) for t in registry.transports() if t.name in counts]
@@ -55,6 +57,6 @@ def build_report(
         workers=workers,
         verified=verified,
         send_seconds=sent.seconds,
-        sent_bytes=total,
+        sent_bytes=max(sent.sent_bytes.values()) if sent.sent_bytes else total,
         adapter=manifest.adapter.summary() if manifest.adapter is not None else "",
     )

@@ -59,6 +59,18 @@ def targets(members: Sequence[Member]) -> dict[str, tuple[str, ...]]:
     return {kind: tuple(m.name for m in members if m.transport == kind) for kind in kinds}
 
 
+def with_every_rank(lead: SendResult, every: Sequence[SendResult]) -> SendResult:
+    """The lead rank's answer with ``sent_bytes`` summed over every rank's, per transport
+    (owner sends, and colocated workers served by their own rank, move bytes on each)."""
+    if len(every) < 2:
+        return lead
+    sent: dict[str, int] = {}
+    for result in every:
+        for kind, nbytes in result.sent_bytes.items():
+            sent[kind] = sent.get(kind, 0) + nbytes
+    return replace(lead, sent_bytes=sent)
+
+
 class Round:
     """Runs rounds for one WeightSync (its membership and its way of calling parties)."""
 
@@ -99,7 +111,9 @@ class Round:
         verdict = judge(final, f"sync failed during the transfer of version {call.version}")
         if verdict is not None:
             self.fail(verdict, waits)
-        return final[lead].value, {m.name: final[m.name].value for m in members}
+        return with_every_rank(final[lead].value, [final[r].value for r in self.ranks.names]), {
+            m.name: final[m.name].value for m in members
+        }
 
     def push(self, call: SyncCall, set_up: Callable[[], object]) -> Results:
         """Push mode: one call to the trainer; an earlier in-trainer push that failed makes

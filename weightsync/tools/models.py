@@ -110,10 +110,11 @@ def build_policy(cfg: PolicyConfig, device: str | torch.device = "cpu") -> TinyP
 class PolicyFactory:
     """A picklable zero-argument model factory (what actors are built from)."""
 
-    def __init__(self, size: str = "30mb", seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, size: str = "30mb", seed: int = 0, device: str = "cpu", dtype: str | None = None) -> None:
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-        self.cfg = PolicyConfig(**{**SIZES[size].__dict__, "seed": seed})
+        held = SIZES[size].__dict__
+        self.cfg = PolicyConfig(**{**held, "seed": seed, "dtype": dtype or held["dtype"]})
         self.device = device
 
     def __call__(self) -> TinyPolicy:

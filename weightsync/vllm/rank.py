@@ -78,8 +78,9 @@ class RankEndpoint(WorkerMixin):
         # buffer that the next chunk refills would be read stale. Each tensor is cloned.
         # With ``staged``, a sync's tensors are kept until it commits (LoadWeightsSink's
         # ``staged``): a failed sync never reaches the model.
+        # reload_all: vLLM's layerwise reload rebuilds a layer only from all of its tensors.
         self.weightsync_sink = LoadWeightsSink(
-            self._load, copies_immediately=False, expected_specs=expected_specs, staged=staged
+            self._load, copies_immediately=False, expected_specs=expected_specs, staged=staged, reload_all=True
         )
         self.lora = EngineAdapter(runner, expected_specs, name)
 

@@ -29,8 +29,9 @@ from weightsync.core.wire.settings import (
 )
 
 #: 3: the Manifest carries the in-place threshold and the broadcast plan; 4: and, for a
-#: LoRA sync, the adapter's config.
-PROTOCOL_VERSION = 4
+#: LoRA sync, the adapter's config; 5: and whether every sync starts with a delta header
+#: (``AgreedSettings.delta``).
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +103,15 @@ class AgreedSettings:
     inplace_bytes: int
     """Broadcast: tensors of at least this many bytes get their own collective (0: none)."""
 
+    delta: bool = False
+    """Every sync over a transport that carries deltas starts with a delta header
+    (:mod:`weightsync.core.delta.header`), which says whether a dense plan or a payload
+    plan follows."""
+
     def __post_init__(self) -> None:
         check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes)
+        if not isinstance(self.delta, bool):
+            raise SettingsError(f"delta must be True or False, got {self.delta!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,9 +143,14 @@ class Manifest:
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         alignment: int = DEFAULT_ALIGNMENT,
         inplace_bytes: int = DEFAULT_INPLACE_BYTES,
+        delta: bool = False,
     ) -> Manifest:
         agreed = AgreedSettings(
-            buffer_bytes=buffer_bytes, num_buffers=num_buffers, alignment=alignment, inplace_bytes=inplace_bytes
+            buffer_bytes=buffer_bytes,
+            num_buffers=num_buffers,
+            alignment=alignment,
+            inplace_bytes=inplace_bytes,
+            delta=delta,
         )
         return cls.planned(specs, agreed)
 

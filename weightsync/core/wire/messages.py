@@ -156,10 +156,26 @@ class SyncCall:
     #: a trainer party keeps one session per coordinator and picks it by this; a worker set
     #: up by another coordinator since refuses it by name. "": the party's only session.
     owner: str = ""
+    #: Delta sessions: per worker, the token of the bytes the coordinator last heard it
+    #: commit (workers holding none are left out). A trainer party sends a delta only to
+    #: workers holding its base's token (a transport only when every peer it serves does).
+    delta_holds: tuple[tuple[str, int], ...] = ()
+    #: Delta sessions: the name of this sync's bytes, which every trainer rank gives its
+    #: base and every worker holds once it commits (0: each trainer party picks its own).
+    #: One name for every rank, so a worker fed by several ranks (owner sends) holds one.
+    delta_token: int = 0
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
         _require(isinstance(self.owner, str), f"a sync's owner must be a coordinator's label, got {self.owner!r}")
+        _require(
+            isinstance(self.delta_holds, tuple) and all(isinstance(w, str) and _is_int(t) for w, t in self.delta_holds),
+            f"delta_holds must be a tuple of (worker name, token) pairs, got {self.delta_holds!r}",
+        )
+        _require(
+            _is_int(self.delta_token) and self.delta_token >= 0,
+            f"delta_token must be a non-negative int, got {self.delta_token!r}",
+        )
         _require(
             isinstance(self.chained, tuple) and all(isinstance(w, str) for w in self.chained),
             f"chained must be a tuple of worker names, got {self.chained!r}",
@@ -200,6 +216,8 @@ class SendResult:
     stale: tuple[str, ...] = ()
     seconds: float = 0.0
     tensor_checksums: list[int] = field(default_factory=list)
+    #: Per transport, the bytes it moved (a broadcast's once, whatever its receivers).
+    sent_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +246,12 @@ class ReceiveResult:
     #: Per tensor its sink cast to a narrower range on load (fp16 from fp32 or bf16), how
     #: many values became ``inf`` in this sync; tensors without any are left out.
     overflows: dict[str, int] = field(default_factory=dict)
+    #: Delta sessions: True when this sync's bytes came as a delta, False when dense; None
+    #: for a transport without delta headers (or a session without deltas).
+    delta: bool | None = None
+    #: The token of the bytes this worker holds after this call, committed (0: none a
+    #: delta may be applied to).
+    token: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))

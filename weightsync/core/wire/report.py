@@ -35,6 +35,13 @@ class WorkerReport:
         total = sum(self.overflows.values())
         return f"{self.name}: {total} value(s) in {len(self.overflows)} tensor(s) (first {first}: {count})"
 
+    #: How this worker's bytes came: "delta", "dense", or "" (a session without deltas,
+    #: or a transport that carries none).
+    encoding: str = ""
+    #: Bytes that crossed to this worker: what its transport moved (every trainer rank's
+    #: part with owner sends; a delta's header and payloads in a delta session).
+    sent_bytes: int = 0
+
 
 @dataclass(frozen=True, kw_only=True)
 class SyncReport:
@@ -60,8 +67,10 @@ class SyncReport:
     #: ``seconds`` is Ray hand-offs and bookkeeping.
     send_seconds: float = 0.0
     inplace: int = 0
-    #: Bytes of tensor data that crossed to each worker in this sync (every worker got the
-    #: same); with ``lora=True`` only the adapter's, the base model's never.
+    #: Bytes of tensor data that crossed to each worker in this sync: ``bytes`` for a dense
+    #: sync; with ``lora=True`` only the adapter's, the base model's never; in a delta
+    #: session the header and what each transport moved, the most any worker got (each
+    #: worker's own: ``workers[i].sent_bytes``).
     sent_bytes: int = 0
     #: The adapter this sync sent, as ``AdapterConfig.summary()`` says it ("LoRA r=8 ..."),
     #: or "" for a sync of the whole model.
@@ -86,12 +95,22 @@ class SyncReport:
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
             f"{f'{self.adapter} adapter, ' if self.adapter else ''}{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
+            f"{self._sent_text()}"
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
             f"{'; lossy casts on load: ' + '; '.join(lossy) if lossy else ''}"
             f"{'; values that became inf on load: ' + '; '.join(overflowed) if overflowed else ''}"
             f"{self._held_off_text()}"
         )
+
+    def _sent_text(self) -> str:
+        """What crossed the transports, and per worker dense or delta (delta sessions)."""
+        coded = [w for w in self.workers if w.encoding]
+        if not coded and self.sent_bytes in (0, self.bytes):
+            return ""
+        ways = ", ".join(f"{w.name} {w.encoding}" for w in coded)
+        share = f" ({100 * self.sent_bytes / self.bytes:.1f}%)" if self.bytes else ""
+        return f"sent {self.sent_bytes / 1e6:.1f} MB{share}{f' [{ways}]' if ways else ''}, "
 
     def _held_off_text(self) -> str:
         held = self.held_off_s

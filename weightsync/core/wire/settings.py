@@ -46,6 +46,17 @@ def _is_int(value: object) -> bool:
 
 
 BufferBytes = int | Literal["auto"]
+DeltaBase = Literal["device", "host"]
+
+
+def check_delta_settings(delta: object, keyframe: object, base: object) -> None:
+    """Refuse delta settings that mean nothing; each message names the setting."""
+    if not isinstance(delta, bool):
+        raise SettingsError(f"delta must be True or False, got {delta!r}")
+    if keyframe is not None and (not _is_int(keyframe) or keyframe < 1):  # type: ignore[operator]
+        raise SettingsError(f"delta_keyframe must be None or a positive number of syncs, got {keyframe!r}")
+    if base not in ("device", "host"):
+        raise SettingsError(f"delta_base must be 'device' or 'host', got {base!r}")
 
 
 def check_buffer_settings(
@@ -131,8 +142,26 @@ class SyncSettings:
     module worker must hold the same PEFT model; a vLLM engine needs ``enable_lora=True``.
     See :mod:`weightsync.core.lora`."""
 
+    delta: bool = False
+    """Send only what changed: a sync to a worker that holds the trainer's last sent bytes
+    carries, per tensor, either its dense bytes or its changed elements (indices or a
+    bitmask, plus their new bit patterns), whichever is smaller; every other sync, and every
+    sync to a worker that does not hold those bytes (new, dirty, failed, rejoined), is
+    dense. Over broadcast, ipc and owners; direct, owner-writes and rank-ipc stay dense
+    (see docs/transports.md). The trainer keeps a copy of the wire bytes (``delta_base``)."""
+
+    delta_keyframe: int | None = None
+    """With ``delta``: every this many syncs, one dense sync to every worker (None: only
+    where needed)."""
+
+    delta_base: DeltaBase = "device"
+    """With ``delta``: where the trainer keeps its copy of the last sent wire bytes: on its
+    own device (fastest to compare against), or in host memory (``"host"``: no device
+    memory, at the cost of copying each tensor to the host to compare it)."""
+
     def __post_init__(self) -> None:
         check_buffer_settings(self.buffer_bytes, self.num_buffers, self.alignment, self.inplace_bytes, auto=True)
+        check_delta_settings(self.delta, self.delta_keyframe, self.delta_base)
         if self.gather_bytes is not None and (
             not isinstance(self.gather_bytes, int) or isinstance(self.gather_bytes, bool) or self.gather_bytes < 1
         ):

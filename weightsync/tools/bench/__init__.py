@@ -18,6 +18,8 @@ Everything is measured in one run, on one cluster, with the same actors:
   worker, copied into its parameters;
 * a sharded source (CPU): the same model as an FSDP2 trainer of ``--sharded-ranks`` ranks
   (gloo), synced to the same workers (:mod:`~weightsync.tools.bench.sharded`);
+* with ``--changed 1%,10%,100%,adamw:1e-6``: dense against delta syncs, fp32 master weights
+  sent as bf16, after each change (:mod:`~weightsync.tools.bench.deltas`);
 * with ``--vllm-tp N`` (CPU, vLLM installed): N FSDP2 ranks of a Llama of the size into a
   vLLM engine of N TP ranks, relayed by TP rank 0 and fed per rank
   (:mod:`~weightsync.tools.bench.engine_tp`);
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
+from weightsync.tools.bench.deltas import changed_list
 from weightsync.tools.bench.driver import Bench
 from weightsync.tools.cli_types import (
     comma_list,
@@ -62,6 +66,7 @@ SWEEP_BUFFER_MIB = (256, 64, 1024, 2048)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_case_arguments(parser)
+    add_extra_case_arguments(parser)
     add_run_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -91,6 +96,18 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=positive_int, default=2, help="workers (broadcast receivers); colocated cases use the first"
     )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the buffer-size / buffer-count sweep (default: off; on CPU no sweep)"
+    )
+    parser.add_argument(
+        "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
+    )
+
+
+def add_extra_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rows beyond the main cases, each off unless asked: sharded trainers, vLLM engines,
+    LoRA adapters, delta syncs."""
     parser.add_argument(
         "--sharded-ranks",
         type=positive_int_list_or_none,
@@ -111,12 +128,15 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
         help="also wrap each size's policy with a PEFT LoRA adapter of this rank and sync the adapter alone "
         "(lora=True) against the whole model, per transport; needs PEFT (default: off)",
     )
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed syncs per case, after one warm-up")
     parser.add_argument(
-        "--quick", action="store_true", help="skip the buffer-size / buffer-count sweep (default: off; on CPU no sweep)"
+        "--changed",
+        type=changed_list,
+        default=None,
+        help="also time dense against delta syncs (fp32 master weights, bf16 wire) after each change: N%% of the "
+        "elements perturbed, or adamw:LR for a real AdamW step, e.g. 1%%,10%%,100%%,adamw:1e-6 (default: off)",
     )
     parser.add_argument(
-        "--object-store-max-mb", type=float, default=2000, help="skip the object-store baseline above this size"
+        "--changed-only", action="store_true", help="run only the --changed rows (default: off: every case)"
     )
 
 
@@ -154,5 +174,8 @@ def run(args: argparse.Namespace) -> int:
         # The main cases run at the library's defaults; on a CPU the knob sweep is opt-in
         # (pass --buffer-mib) so that a plain ``bench`` stays quick.
         args.quick = args.quick or args.device == "cpu"
+    if args.changed_only and not args.changed:
+        print("bench: --changed-only needs --changed (e.g. --changed 1%,10%,100%)", file=sys.stderr)
+        return 2
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return Bench(args).run()

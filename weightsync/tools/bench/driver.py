@@ -20,6 +20,7 @@ from weightsync.core.wire.outcome import Status
 from weightsync.core.wire.settings import DEFAULT_NUM_BUFFERS, MIB, SyncSettings
 from weightsync.tools.bench.baselines import gloo_case, outside_cases, ray_floor_case, reference_case
 from weightsync.tools.bench.chart import check_plot_path, plot
+from weightsync.tools.bench.deltas import delta_cases
 from weightsync.tools.bench.engine_tp import engine_tp_cases
 from weightsync.tools.bench.lora import lora_cases
 from weightsync.tools.bench.report import Case, check_json_path, header, ratios, show, write_json
@@ -126,20 +127,11 @@ class Bench:
             # Progress: which size of how many, and the time so far (sizes grow, so the last
             # ones take longest).
             print(f"-- size {index}/{len(args.sizes)}: {size}, {time.perf_counter() - started:.0f}s so far", flush=True)
-            factory_device = "cuda" if cuda else "cpu"
-            trainer = ChunkTrainerActor.options(**opts).remote(
-                PolicyFactory(size, 0, factory_device), device=args.device
-            )
-            workers = [
-                ChunkWorkerActor.options(**opts).remote(PolicyFactory(size, i + 1, factory_device), device=args.device)
-                for i in range(args.workers)
-            ]
-            try:
-                self.size_cases(size, trainer, workers)
-            finally:
-                for handle in [trainer, *workers]:
-                    self.ray.kill(handle)
-            for line in ratios(self.cases, size, len(workers)):
+            if not args.changed_only:
+                self.main_cases(size, ChunkTrainerActor, ChunkWorkerActor, opts)
+            if args.changed:
+                delta_cases(self, size, args.changed)
+            for line in ratios(self.cases, size, args.workers):
                 self.summary.append(line)
                 print(line, flush=True)
         if args.json:
@@ -150,6 +142,21 @@ class Bench:
             print(f"failed cases (their setup raised): {', '.join(self.failed)}", flush=True)
             return 1
         return 0
+
+    def main_cases(self, size: str, trainer_cls: Any, worker_cls: Any, opts: dict[str, Any]) -> None:
+        """Every case but the delta rows, on one trainer and its workers made for them."""
+        args = self.args
+        factory_device = "cuda" if args.device == "cuda" else "cpu"
+        trainer = trainer_cls.options(**opts).remote(PolicyFactory(size, 0, factory_device), device=args.device)
+        workers = [
+            worker_cls.options(**opts).remote(PolicyFactory(size, i + 1, factory_device), device=args.device)
+            for i in range(args.workers)
+        ]
+        try:
+            self.size_cases(size, trainer, workers)
+        finally:
+            for handle in [trainer, *workers]:
+                self.ray.kill(handle)
 
     def size_cases(self, size: str, trainer: Any, workers: list[Any]) -> None:
         """Every case of one model size, in the order the report prints them."""

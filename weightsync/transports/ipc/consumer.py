@@ -1,6 +1,5 @@
-"""The ipc transport's worker half: a consumer, which maps the producer's slots once and
-copies every chunk out of them into its sink (the hand-off: :mod:`weightsync.transports.ipc.halves`).
-"""
+"""The ipc transport's consumer half (see :mod:`weightsync.transports.ipc.halves` for the
+whole hand-over): maps the producer's export once and copies chunks out of its slots."""
 
 from __future__ import annotations
 
@@ -10,9 +9,12 @@ from collections.abc import Callable
 
 import torch
 
+from weightsync.core.delta.header import header_manifest
+from weightsync.core.delta.landing import DeltaReceiving, HeaderCatch
 from weightsync.core.halves import Landing, ReceiveHalf
 from weightsync.core.packing import ChunkUnpacker, byte_checksum
 from weightsync.core.wire.errors import ChecksumMismatch, WeightSyncError
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 from weightsync.mechanisms.batched_copy import BatchedCopier
@@ -36,6 +38,7 @@ class IpcReceiver(ReceiveHalf):
     """A consumer: maps the producer's export once and copies chunks out of it."""
 
     kind = "ipc"
+    carries_deltas = True
     knows_sender_finished = True
 
     def __init__(self, session: Session, device: torch.device) -> None:
@@ -135,11 +138,13 @@ class IpcReceiver(ReceiveHalf):
         verify: bool,
         expected: int | None,
         plans: tuple[UnpackPlans, list[torch.Tensor | None]] | None = None,
+        manifest: Manifest | None = None,
     ) -> int | None:
-        """Queue chunk ``chunk_index``'s copies out of ``slot`` on this process's stream
-        (after the producer's packing event, on a GPU), then record this consumer's event.
-        ``plans``: unpack through the batched kernel into these destinations."""
-        chunk = self.manifest.chunks[chunk_index]
+        """Queue chunk ``chunk_index``'s copies (of ``manifest``, by default the session's)
+        out of ``slot`` on this process's stream (after the producer's packing event, on a
+        GPU), then record this consumer's event. ``plans``: unpack through the batched
+        kernel into these destinations."""
+        chunk = (self.manifest if manifest is None else manifest).chunks[chunk_index]
         buffer = self._slot(slot)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if stream is not None and self._packed:
@@ -172,29 +177,50 @@ class IpcReceiver(ReceiveHalf):
             )
 
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
-        """Take every chunk as the producer publishes it; returns once every byte landed."""
+        """Take every chunk as the producer publishes it (in a delta session: the header
+        first, then the plan it announces); returns once every byte landed."""
+        control, _ = self._ctl()
+        g = control[ack_word(self._index)]  # chunks are numbered from the session's start
+        checksums: list[int] = []
+        if isinstance(sink, DeltaReceiving):
+            catch = HeaderCatch()
+            g = self._take(header_manifest(self.manifest), catch, g, call.verify, checksums, None)
+            assert catch.raw is not None
+            manifest, landing = sink.open(catch.raw)
+            begin()
+            if manifest is not None:
+                self._take(manifest, landing, g, call.verify, checksums, None)
+            sink.finish()
+        else:
+            self._take(self.manifest, sink, g, call.verify, checksums, begin)
+        return checksums, ()
+
+    def _take(
+        self,
+        manifest: Manifest,
+        sink: Landing,
+        g: int,
+        verify: bool,
+        checksums: list[int],
+        begin: Callable[[], None] | None,
+    ) -> int:
+        """Take ``manifest``'s chunks, numbered from ``g``, into ``sink``; the next number.
+        ``begin`` (when given) runs before the first byte lands."""
         control, export = self._ctl()
         nbuf = self.manifest.depth(self.manifest.chunks)
-        base = call.seq * len(self.manifest.chunks)
         deadline = self.deadlines.follower(time.monotonic())
         names = [self.server, *export.consumer_names]
         csum_at = checksum_word(export.num_consumers, 0)
         me = ack_word(self._index)
-        if control[me] != base:
-            raise WeightSyncError(
-                f"{self.name}: IPC session out of step (acknowledged {control[me]}, expected {base}); run setup() again"
-            )
-        destinations = sink.destinations(self.manifest)
-        unpacker = ChunkUnpacker(self.manifest.specs, destinations.__getitem__, sink.keeps_references)
+        destinations = sink.destinations(manifest)
+        unpacker = ChunkUnpacker(manifest.specs, destinations.__getitem__, sink.keeps_references)
         plans = None
-        if self.copier is not None:
+        if self.copier is not None and manifest is self.manifest:
             if self._plans is None or self._plans.copier is not self.copier:
                 self._plans = UnpackPlans(self.copier, self.manifest.specs)
             if self._plans.begin(destinations):
                 plans = (self._plans, destinations)
-        checksums: list[int] = []
-        for chunk in self.manifest.chunks:
-            g = base + chunk.index
+        for chunk in manifest.chunks:
             control.wait(
                 lambda g=g: control[PUBLISHED] > g,  # type: ignore[misc]
                 deadline,
@@ -204,16 +230,17 @@ class IpcReceiver(ReceiveHalf):
                 peer_pid=lambda: control[PRODUCER_PID],
                 late=lambda: [self.server],
             )
-            if chunk.index == 0:
+            if chunk.index == 0 and begin is not None:
                 begin()
-            expected = from_word(control[csum_at + g % nbuf]) if call.verify else None
-            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, call.verify, expected, plans)
+            expected = from_word(control[csum_at + g % nbuf]) if verify else None
+            got = self._read(chunk.index, g % nbuf, unpacker, sink.consume, verify, expected, plans, manifest)
             if got is not None:
                 checksums.append(got)
-            control[me] = g + 1
+            g += 1
+            control[me] = g
         unpacker.finish()
         self._synchronize("copying the last chunks out")
-        return checksums, ()
+        return g
 
     def start(self, call: SyncCall) -> None:
         if self._control is not None:

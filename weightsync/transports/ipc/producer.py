@@ -1,6 +1,5 @@
 """The ipc transport's trainer half: the producer, which exports its slots once and packs
-every chunk into them (the hand-off: :mod:`weightsync.transports.ipc.halves`).
-"""
+chunks into them (the hand-off: :mod:`weightsync.transports.ipc.halves`)."""
 
 from __future__ import annotations
 
@@ -11,9 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.core.delta.sending import delta_steps
 from weightsync.core.halves import SendHalf, Sources
 from weightsync.core.packing import byte_checksum, pack_chunk
 from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 from weightsync.mechanisms.batched_copy import BatchedCopier
@@ -37,6 +38,7 @@ class IpcSender(SendHalf):
     """The producer: exports ``num_buffers`` slots once and packs chunks into them."""
 
     kind = "ipc"
+    carries_deltas = True
 
     def __init__(self, session: Session, device: torch.device) -> None:
         self.session = session
@@ -114,20 +116,21 @@ class IpcSender(SendHalf):
         verify: bool,
         after: Sequence[int] = (),
         plans: PackPlans | None = None,
+        manifest: Manifest | None = None,
     ) -> int | None:
-        """Queue chunk ``chunk_index``'s copies into ``slot`` on the slot's stream.
+        """Queue chunk ``chunk_index`` (of ``manifest``, by default the session's) into
+        ``slot`` on the slot's stream.
 
         The stream first waits for the caller's stream (parameters it is still writing) and,
         on a GPU, for the ``after`` consumers' last unpack of this slot. Returns the checksum
         when ``verify`` (which waits for the copies on the host). ``plans``: pack through
         the batched kernel (sources whose key the plans began this sync with).
         """
-        if not 0 <= chunk_index < len(self.manifest.chunks):
-            raise WeightSyncError(
-                f"{self.name}: chunk {chunk_index} out of range (plan has {len(self.manifest.chunks)})"
-            )
+        manifest = self.manifest if manifest is None else manifest
+        if not 0 <= chunk_index < len(manifest.chunks):
+            raise WeightSyncError(f"{self.name}: chunk {chunk_index} out of range (plan has {len(manifest.chunks)})")
         buffer = self.slot_buffer(slot)
-        chunk = self.manifest.chunks[chunk_index]
+        chunk = manifest.chunks[chunk_index]
         caller = self.streams.caller_stream()
         with self.streams.use(slot), torch.no_grad():
             self.streams.wait_for(slot, caller)
@@ -136,7 +139,7 @@ class IpcSender(SendHalf):
                 for consumer in after:
                     stream.wait_event(self._freed[consumer][slot])
             if plans is None:
-                pack_chunk(chunk, self.manifest.specs, sources, buffer)
+                pack_chunk(chunk, manifest.specs, sources, buffer)
             else:
                 plans.pack(chunk, slot, buffer, sources, stream)
             checksum = byte_checksum(buffer, chunk.nbytes) if verify else None
@@ -162,33 +165,41 @@ class IpcSender(SendHalf):
         return self._export.session if self._export is not None else None
 
     def send(self, sources: Sources, call: SyncCall, deadline: float) -> tuple[list[int], tuple[str, ...]]:
-        """Pack every chunk, handing slots over on the control block.
+        """Pack every chunk, handing slots over on the control block (in a delta session:
+        the header as the first chunk, then the plan it announces).
 
         Returns after every consumer took every chunk and this side's copies finished.
         """
         control, export = self._ctl()
         consumers = range(export.num_consumers)
         nbuf = self.manifest.depth(self.manifest.chunks)
-        base = call.seq * len(self.manifest.chunks)
-        checksums: list[int] = []
-        if control[PUBLISHED] != base:
+        # Chunks are numbered from the session's start: every consumer took the last one.
+        g = control[PUBLISHED]
+        if any(control[ack_word(c)] != g for c in consumers):
             raise WeightSyncError(
-                f"{self.name}: IPC session out of step (published {control[PUBLISHED]}, expected {base}); "
-                "run setup() again"
+                f"{self.name}: IPC session out of step (published {g}, acknowledged "
+                f"{[control[ack_word(c)] for c in consumers]}); run setup() again"
             )
-        plans = self._pack_plans(sources)
-        for chunk in self.manifest.chunks:
-            g = base + chunk.index
-            slot = g % nbuf
-            self._await_acks(g - nbuf + 1, deadline, g + 1, f"release slot {slot} before chunk {chunk.index}")
-            after = consumers if g >= nbuf else ()
-            checksum = self._enqueue_pack(chunk.index, slot, sources.tensors, call.verify, after, plans)
-            if checksum is not None:
-                checksums.append(checksum)
-                control[checksum_word(export.num_consumers, slot)] = as_word(checksum)
-            control[PUBLISHED] = g + 1
-        self._await_acks(base + len(self.manifest.chunks), deadline, 0, "finish the last chunk")
+        steps: list[tuple[Manifest, Sequence[torch.Tensor]]] = [(self.manifest, sources.tensors)]
+        if self.manifest.agreed.delta:
+            steps = delta_steps(sources, self.manifest, call.to(self.kind), self.device)
+        checksums: list[int] = []
+        for manifest, tensors in steps:
+            dense = manifest is self.manifest and tensors is sources.tensors
+            plans = self._pack_plans(sources) if dense else None
+            for chunk in manifest.chunks:
+                slot = g % nbuf
+                self._await_acks(g - nbuf + 1, deadline, g + 1, f"release slot {slot} before chunk {chunk.index}")
+                after = consumers if g >= nbuf else ()
+                checksum = self._enqueue_pack(chunk.index, slot, tensors, call.verify, after, plans, manifest)
+                if checksum is not None:
+                    checksums.append(checksum)
+                    control[checksum_word(export.num_consumers, slot)] = as_word(checksum)
+                g += 1
+                control[PUBLISHED] = g
+        self._await_acks(g, deadline, 0, "finish the last chunk")
         self.streams.drain(deadline, f"{self.name}: packing timed out", own=True)
+        self.sent_nbytes = sum(m.total_bytes for m, _ in steps)
         return checksums, ()
 
     def _ctl(self) -> tuple[ControlBlock, IpcExport]:

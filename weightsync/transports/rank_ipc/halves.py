@@ -36,12 +36,16 @@ class RankIpcSender(IpcSender):
     """Trainer rank k's slots, for part k of every worker it feeds this way."""
 
     kind = KIND
+    #: A worker fed by several ranks holds one version made of every rank's bytes, with no
+    #: one base a delta could be made against: always dense.
+    carries_deltas = False
 
 
 class RankIpcReceiver(IpcReceiver):
     """Part k of a worker: attaches trainer rank ``server``'s slots (named in its failures)."""
 
     kind = KIND
+    carries_deltas = False
 
     def __init__(self, session: Session, device: torch.device, server: str, part: int) -> None:
         super().__init__(session, device)

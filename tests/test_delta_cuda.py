@@ -1,0 +1,97 @@
+"""Delta encoding and applying on a GPU (no Ray): the one-pass kernels (CuPy) and torch's
+ops, every allowed dtype bit for bit over many versions, NaN payloads and signed zeros, a
+payload that does not fit its tensor refused by name. Marked ``cuda``: skipped without a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import weightsync.core.delta.apply as apply_module
+import weightsync.core.delta.device_diff as device_module
+from tests.helpers import assert_bit_equal
+from tests.test_delta import mutate, random_bits, step
+from weightsync.core.delta import cuda_kernels
+from weightsync.core.delta.apply import apply_delta, check_scatters
+from weightsync.core.delta.diff import Differ
+from weightsync.core.delta.encoding import Kind, bits_of, layout
+from weightsync.core.wire.dtypes import ALLOWED_DTYPES
+from weightsync.core.wire.errors import ManifestError
+from weightsync.core.wire.manifest import TensorSpec
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Both ways on the GPU: the CuPy kernels (where CuPy compiles them) and torch's ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(device_module.cuda_kernels, "kernels", lambda device: None)
+        monkeypatch.setattr(apply_module.cuda_kernels, "kernels", lambda device: None)
+    elif cuda_kernels.kernels(GPU) is None:
+        pytest.skip("CuPy is not installed or its compiler failed")
+    yield request.param
+
+
+def gpu_step(differ: Differ, spec: TensorSpec, new: torch.Tensor, base: torch.Tensor, worker: torch.Tensor) -> Kind:
+    kind = step(differ, spec, new, base, worker)
+    check_scatters()
+    return kind
+
+
+@pytest.mark.parametrize("name", sorted(ALLOWED_DTYPES))
+def test_every_allowed_dtype_stays_bit_exact_on_the_gpu(name: str, engine: str) -> None:
+    dtype = ALLOWED_DTYPES[name]
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    differ = Differ()
+    seen = set()
+    for n in (1, 13, 20_004, 300_001):
+        spec = TensorSpec("t", (n,), name)
+        new = random_bits(dtype, n, gen) if dtype != torch.bool else mutate(torch.zeros(n, dtype=dtype), 0.5, gen)
+        base, worker = new.clone().to(GPU), new.clone().to(GPU)
+        for fraction in (0.0, 0.002, 0.03, 0.2, 1.0, 0.01):
+            new = mutate(new, fraction, gen)
+            seen.add(gpu_step(differ, spec, new.to(GPU), base, worker))
+            assert_bit_equal(base.cpu(), new, f"{name} base, {fraction}")
+            assert_bit_equal(worker.cpu(), new, f"{name} worker, {fraction}")
+    assert {Kind.UNCHANGED, Kind.DENSE} <= seen and seen & {Kind.INDICES, Kind.BITMASK}, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nan_payloads_and_signed_zeros_on_the_gpu(dtype: torch.dtype, engine: str) -> None:
+    n = 40_000
+    spec = TensorSpec("w", (n,), str(dtype).removeprefix("torch."))
+    base = torch.zeros(n, dtype=dtype, device=GPU)
+    worker = base.clone()
+    new = base.clone()
+    bits = bits_of(new)
+    mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+    exponent = ((1 << (8 * dtype.itemsize - 1)) - 1) ^ ((1 << mantissa) - 1)
+    bits[::97] = exponent | 1
+    bits[1::97] = -1
+    new[3::97] = -0.0
+    differ = Differ()
+    assert gpu_step(differ, spec, new, base, worker) is not Kind.DENSE
+    assert_bit_equal(worker.cpu(), new.cpu(), "nan payloads, -0.0")
+    again = new.clone()
+    bits_of(again)[::97] = exponent | 3
+    bits_of(again)[3::97] = 0
+    gpu_step(differ, spec, again, base, worker)
+    assert_bit_equal(worker.cpu(), again.cpu(), "nan -> nan, -0.0 -> +0.0")
+
+
+def test_a_payload_outside_its_tensor_is_refused_naming_it_on_the_gpu(engine: str) -> None:
+    spec = TensorSpec("layers.7.w", (4096,), "bfloat16")
+    lay = layout(spec, Kind.INDICES, 2)
+    payload = torch.zeros(lay.nbytes, dtype=torch.uint8, device=GPU)
+    payload[:8].view(torch.int32).copy_(torch.tensor([3, 4096], device=GPU))
+    dest = torch.zeros(4096, dtype=torch.bfloat16, device=GPU)
+    with pytest.raises(ManifestError, match=r"layers\.7\.w"):
+        apply_delta(dest, spec, Kind.INDICES, 2, payload)
+        check_scatters()
