@@ -217,6 +217,28 @@ def unskew_scale(model: nn.Module) -> None:
         model.scale.copy_(model._skew_saved)  # type: ignore[operator]
 
 
+def shrink_shard(model: nn.Module, name: str, rows: int = 1) -> tuple[int, ...]:
+    """Replace this rank's shard of parameter ``name`` by its first ``rows`` rows under the
+    same global shape (kept for :func:`restore_shard`); returns the new local shape."""
+    from torch.distributed.tensor import DTensor
+
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    old = getattr(module, attr)
+    model._shrunk = (module, attr, old)  # type: ignore[assignment]
+    local = old.to_local()[:rows].detach().clone()
+    new = DTensor.from_local(
+        local, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
+    )
+    setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+    return tuple(local.shape)
+
+
+def restore_shard(model: nn.Module) -> None:
+    module, attr, old = model._shrunk  # type: ignore[misc]
+    setattr(module, attr, old)
+
+
 def nudge_own(model: nn.Module, seed: int) -> None:
     """Run on every rank: about 2% of the elements each rank owns move (its rows of a sharded
     tensor; a replicated or plain tensor the same way on every rank), a sparse update."""

@@ -133,6 +133,23 @@ class _LoadingHost(WorkerHost):
 LoadingWorker: Any = ray.remote(_LoadingHost)
 
 
+def inflate(model: nn.Module, count: int) -> str:
+    """Run in the trainer: set ``count`` values of its first tensor beyond fp16's range (but
+    within bf16's), keeping the old ones for :func:`deflate`; returns the tensor's name."""
+    name, tensor = module_tensors(model)[0]
+    with torch.no_grad():
+        flat = tensor.view(-1)
+        model._inflated = flat[:count].clone()  # type: ignore[assignment]
+        flat[:count] = torch.tensor([1e6, -3e5, 7e4][:count], dtype=flat.dtype)
+    return name
+
+
+def deflate(model: nn.Module) -> None:
+    kept: torch.Tensor = model._inflated  # type: ignore[assignment]
+    with torch.no_grad():
+        module_tensors(model)[0][1].view(-1)[: kept.numel()] = kept
+
+
 def _trainer_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in module_tensors(model)}
 
@@ -157,6 +174,16 @@ def test_a_load_weights_worker_in_fp16_takes_the_wire_cast_and_the_report_lists_
         )
         assert report.to_dict()["workers"][0]["casts"][0]["loses"] == "range"
         assert f"fp16 {len(names)} tensor(s) {wire_name}->float16, loses range" in report.summary()
+        assert worker.overflows == {} and "inf on load" not in report.summary()
+        # Values beyond fp16's range in one tensor: each sync counts those its cast made inf,
+        # in a verified (chained commit) and a plain (commit in the receive) sync alike.
+        name = get(trainer.call.remote(inflate, 3))
+        for version, verify in ((2, True), (3, False)):
+            report = ws.sync(version, verify=verify)
+            assert report.workers[0].overflows == {name: 3}, report.workers[0]
+            assert report.to_dict()["workers"][0]["overflows"] == {name: 3}
+            line = f"values that became inf on load: fp16: 3 value(s) in 1 tensor(s) (first {name}: 3)"
+            assert line in report.summary(), report.summary()
     sent = get(trainer.call.remote(_trainer_state))
     held = get(fp16.call.remote(_trainer_state))
     for name, tensor in sent.items():

@@ -19,7 +19,8 @@ from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor, 
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import Status, SyncError, WeightSync
 from weightsync.core.sender import WeightSender
-from weightsync.core.sinks import ModuleSink, TensorPaths, module_tensors
+from weightsync.core.sinks import ModuleSink, module_tensors
+from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire import ManifestError, ModelChangedError, SyncSettings
 from weightsync.glue.actors import TrainerHost, WorkerHost
 

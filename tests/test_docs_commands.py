@@ -104,7 +104,9 @@ ALL = [shown for doc in DOCS for shown in shown_commands(doc)]
 
 @functools.cache
 def code_text() -> str:
-    parts = [p.read_text() for d in ("weightsync", "scripts", "examples") for p in (REPO / d).rglob("*.*")]
+    # Caches next to the sources (numba's compiled loops, bytecode) are not code to read.
+    files = [p for d in ("weightsync", "scripts", "examples") for p in (REPO / d).rglob("*.*")]
+    parts = [p.read_text() for p in files if "__pycache__" not in p.parts]
     return "\n".join(p for p in parts if p)
 
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from weightsync.core.wire import ReceiveResult, SyncCall, TransferTimeout
+from weightsync.core.wire import ReceiveResult, SyncCall, TransferTimeout, WeightSyncError
 from weightsync.mechanisms.doorbell import Doorbell, ring
+from weightsync.mechanisms.mailbox import ANSWERED
 from weightsync.transports.push.listener import Listener
 
 HANG_BOUND_S = 60.0  # only bounds a hang; a working call returns at once
@@ -95,3 +96,42 @@ def test_a_flood_during_close_does_not_wedge_the_closing_thread() -> None:
     assert not answer.outcome.ok and "stopped" in answer.outcome.message
     assert served == []
     assert listener.close(HANG_BOUND_S)
+
+
+def test_an_answer_too_large_for_the_mailbox_is_cut_to_fit_and_the_listener_serves_on() -> None:
+    """A stale tensor with a 70,000-character name, or an error of 200,000 characters, makes
+    an answer larger than the mailbox: it is cut to fit (each name, the list, the message),
+    never raised out of the listener thread, which answers the next sync too."""
+    gate = threading.RLock()
+    huge = "w" * 70_000
+
+    def receive(call: SyncCall) -> ReceiveResult:
+        if call.seq == 0:
+            return ReceiveResult(
+                worker="w", version=None, state="committed", stale=(huge, *(f"t{i}" for i in range(500)))
+            )
+        if call.seq == 1:
+            raise WeightSyncError("e" * 200_000)
+        return ReceiveResult(worker="w", version=call.version, state="committed")
+
+    listener = Listener("worker-5", torch.device("cpu"), receive, lambda: (None, "committed"), gate)
+    try:
+        answers = []
+        for seq in range(3):
+            listener.mailbox.post(SyncCall(seq=seq, version=seq + 1))
+            assert ring(listener.doorbell.address, listener.doorbell.key, time.monotonic() + HANG_BOUND_S, "worker-5")
+            deadline = time.monotonic() + HANG_BOUND_S
+            while listener.mailbox.control[ANSWERED] != seq + 1:
+                assert not listener.mailbox.stopped, f"the listener ended before answering sync {seq}"
+                assert time.monotonic() < deadline, f"no answer to sync {seq}"
+                time.sleep(0.001)
+            answers.append(listener.mailbox.answer())
+        stale = answers[0].outcome.value.stale
+        assert answers[0].outcome.ok and stale[0].startswith(huge[:100]) and len(stale[0]) < 1000
+        assert "more" in stale[-1] and len(stale) < 100
+        assert not answers[1].outcome.ok and answers[1].outcome.message.startswith("e" * 100)
+        assert len(answers[1].outcome.message) < 10_000
+        assert answers[2].outcome.ok and answers[2].outcome.value.version == 3
+        assert not listener.mailbox.stopped
+    finally:
+        assert listener.close(HANG_BOUND_S)

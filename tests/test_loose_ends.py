@@ -26,7 +26,9 @@ from weightsync.core.wire.errors import PeerAborted, SessionTornDown
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import PushResult
 from weightsync.glue.ranks import TrainerRanks
+from weightsync.mechanisms.mailbox import Mailbox
 from weightsync.transports.direct.handoff import ANNOUNCED
+from weightsync.transports.push.messages import PushExport
 from weightsync.transports.push.plugin import PUSH, pusher_of
 from weightsync.transports.push.pusher import Pusher
 
@@ -196,13 +198,25 @@ def test_a_sync_starting_after_one_sides_teardown_fails_there_at_once_and_its_pe
         sender.close_transports(abort=True)
 
 
-def test_a_push_session_taken_over_by_another_weightsync_says_so() -> None:
+def test_a_push_on_a_session_without_push_mode_or_torn_down_says_which() -> None:
     sender = WeightSender(model=MixedModel(seed=0))
     sender.manifest(SyncSettings(), owner="WeightSync bbbb")
-    with pytest.raises(SettingsError, match="another WeightSync \\(WeightSync bbbb\\)"):
-        pusher_of(sender, owner="WeightSync aaaa")
+    assert not PUSH.armed(sender)  # type: ignore[misc]
     with pytest.raises(SettingsError, match="without push=True"):
-        pusher_of(sender, owner="WeightSync bbbb")
+        pusher_of(sender)
+    mailbox = Mailbox.create()
+    try:
+        export = PushExport(
+            worker="w", mailbox=mailbox.handle(), doorbell="\0weightsync-nobody", doorbell_key=bytes(16), pid=1
+        )
+        PUSH.action("trainer", "arm")(sender, (export,))
+        assert PUSH.armed(sender)  # type: ignore[misc]
+        sender.close_transports(by="WeightSync bbbb (close())")
+        assert not PUSH.armed(sender)  # type: ignore[misc]
+        with pytest.raises(SettingsError, match="torn down by WeightSync bbbb \\(close\\(\\)\\)"):
+            pusher_of(sender)
+    finally:
+        mailbox.control.close()
 
 
 def test_a_changed_rank_0_is_blamed_not_the_ranks_that_agree() -> None:
@@ -242,11 +256,14 @@ def test_workers_found_dead_are_dropped_and_the_next_sync_goes_on(actors: Any) -
         ws.sync(version=6)
         assert sorted(ws.workers) == ["worker-0"]
         assert_workers_match(trainer, workers[:1])
-        # Another WeightSync sets the trainer up (without push): this one's next sync says who.
+        # Another WeightSync (without push) takes worker-0 over: this one's push session on the
+        # trainer stays, its next push finds worker-0's listener gone and names it, and the
+        # sync after sets worker-0 up again.
         other = WeightSync(trainer, {"w0": workers[0]}, transport="direct", timeout_s=20)
         other.setup()
-        with pytest.raises(SyncError, match=f"another WeightSync \\({other.label}\\)"):
+        with pytest.raises(SyncError) as taken:
             ws.sync(version=7)
+        assert taken.value.culprits == ["worker-0"], str(taken.value)
         other.close()
         ws.sync(version=8)
         assert_workers_match(trainer, workers[:1])

@@ -64,6 +64,18 @@ class _Rank(TrainerHost):
 
         self._ws().halves["owner-writes"].on_write = hook  # type: ignore[attr-defined]
 
+    def freeze_mid_copy(self, worker: str, copied: int) -> None:
+        """Stop this process (SIGSTOP) once it copied ``copied`` tensors into ``worker``."""
+        seen: list[int] = []
+
+        def hook(name: str, index: int) -> None:
+            if name == worker:
+                seen.append(index)
+                if len(seen) == copied + 1:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+
+        self._ws().halves["owner-writes"].on_copy = hook  # type: ignore[attr-defined]
+
     def walk_stats(self) -> tuple[int, int, int]:
         """The last sync's buckets gathered, the buckets of one pass over the model, and the
         most bytes of gathered tensors held at once."""
@@ -239,6 +251,34 @@ def test_a_rank_frozen_before_writing_is_named_and_writes_nothing_late(two: dict
         ws.close()
 
 
+def test_a_rank_frozen_mid_copy_writes_nothing_more_once_thawed(two: dict[str, Any]) -> None:
+    """Rank 1 stops (SIGSTOP) after copying 3 of its tensors into the worker; the worker
+    gives up at its deadline (dirty at its old version). Thawed, rank 1 finds the worker's
+    abort words before its next tensor and stops: the worker's bytes stay as they were when
+    it gave up (the rank used to go on writing every tensor it had left)."""
+    ranks, worker = two["ranks"], two["workers"]["d0"]
+    pid = get(ranks[1].pid.remote())
+    ws = WeightSync(ranks, {"d0": worker}, transport="owner-writes", timeout_s=10)
+    try:
+        ws.sync(37)
+        train(ranks, 1, seed=38)
+        get(ranks[1].freeze_mid_copy.remote("d0", 3))
+        try:
+            with pytest.raises(SyncError) as failed:
+                ws.sync(38)
+            held = get(worker.call.remote(fm.state))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        err = failed.value
+        assert err.culprits == ["trainer-rank-1"], str(err)
+        assert err.held == {"d0": (37, "dirty")}, err.held  # rank 0's part and 3 of rank 1's landed
+        get(ranks[1].pid.remote())  # queued behind its send: the thawed rank has finished it
+        for name, tensor in get(worker.call.remote(fm.state)).items():
+            assert_bit_equal(tensor, held[name], f"{name} written after the worker gave up")
+    finally:
+        ws.close()
+
+
 def test_a_worker_refusing_the_version_stops_every_rank_and_the_next_sync_works(two: dict[str, Any]) -> None:
     ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
     with WeightSync(ranks, {"o0": workers["o0"]}, transport="owners", buffer_bytes=BUFFER, timeout_s=30) as ahead:
@@ -323,6 +363,37 @@ def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two:
             assert version == 17 and state in ("committed", "dirty"), (version, state)
     finally:
         ws.close()
+
+
+@pytest.mark.parametrize("transport,name", [("owners", "i1"), ("owner-writes", "d0")])
+def test_a_rank_whose_shard_changed_after_setup_is_refused_by_name(
+    two: dict[str, Any], transport: str, name: str
+) -> None:
+    """Rank 1's rows of a matrix replaced by one row under the same global shape: the sync is
+    refused before any byte moves, naming rank 1 and the tensor (with verify too, where it
+    used to be blamed on the worker), instead of the worker taking 128 copies of that row."""
+    ranks, worker = two["ranks"], {name: two["workers"][name]}
+    with WeightSync(ranks, worker, transport=transport, buffer_bytes=BUFFER, timeout_s=30) as ws:
+        for version, verify in ((50, False), (52, True)):
+            ws.sync(version)  # after the failure: set up again, with every shard as it is now
+            held = get(worker[name].call.remote(fm.state))
+            assert get(ranks[1].call.remote(partial(fm.shrink_shard, name="blocks.0.0.weight"))) == (1, 128)
+            try:
+                with pytest.raises(SyncError) as refused:
+                    ws.sync(version + 1, verify=verify)
+            finally:
+                get(ranks[1].call.remote(fm.restore_shard))
+            err = refused.value
+            assert err.culprits == ["trainer-rank-1"], str(err)
+            why = err.outcomes["trainer-rank-1"]
+            assert why.error == "ModelChangedError" and "blocks.0.0.weight" in why.message, why
+            assert "[1, 128]" in why.message and "[128, 128]" in why.message, why.message
+            assert err.held[name][0] == version and err.held[name][1] in ("committed", "dirty"), err.held
+            for key, tensor in get(worker[name].call.remote(fm.state)).items():
+                assert_bit_equal(tensor, held[key], key)
+        train(ranks, 1, seed=54)
+        ws.sync(54, verify=True)
+        assert_synced(ranks, worker)
 
 
 def test_a_rank_killed_while_sending_fails_the_sync_naming_it(pool: ActorPool, two: dict[str, Any]) -> None:

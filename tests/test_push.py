@@ -17,13 +17,21 @@ import ray
 import torch
 
 from tests.catalogue import kill_and_wait
-from tests.helpers import MixedModel, perturb
+from tests.helpers import MixedModel, perturb, state_of
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
-from weightsync import SettingsError, SetupError, Status, SyncError, WeightSync
+from weightsync import SettingsError, SetupError, Status, SyncError, WeightReceiver, WeightSender, WeightSync
+from weightsync.core import registry
+from weightsync.core.local import open_local
+from weightsync.core.wire import PeerAborted, SyncCall, SyncSettings, TransferTimeout
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, PushResult, SendResult
 from weightsync.core.wire.outcome import failed, ok
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.mechanisms.mailbox import Mailbox
+from weightsync.transports.push import pusher as pusher_module
+from weightsync.transports.push.messages import PushExport
+from weightsync.transports.push.plugin import PUSH
+from weightsync.transports.push.pusher import Pusher
 
 
 class PushingTrainer(TrainerHost):
@@ -199,8 +207,6 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     from weightsync.core.wire import SyncSettings
     from weightsync.core.wire.messages import SyncCall
     from weightsync.mechanisms.mailbox import ANSWERED
-    from weightsync.transports.push.plugin import PUSH
-    from weightsync.transports.push.pusher import Pusher
 
     trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
     sender = WeightSender(model=trainer_model)
@@ -247,3 +253,48 @@ def test_a_reader_holding_the_gate_keeps_a_push_from_writing(tmp_path: Any) -> N
     after = state_of(worker_model)
     assert all(torch.equal(after[n], before[n]) for n in before)
     assert receiver.status() == (None, "committed")
+
+
+def test_a_ring_that_fails_withdraws_the_call_and_a_late_listener_writes_nothing(monkeypatch: Any) -> None:
+    """A worker's ring times out (its listener stalled, its doorbell's queue full): the push
+    answers it failed and withdraws the call, so a listener that wakes later finds nothing
+    posted; one that had read the call already fails it at once, before touching the
+    weights, instead of holding reads until its deadline and ending dirty."""
+    trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
+    sender = WeightSender(model=trainer_model)
+    manifest = sender.manifest(SyncSettings(timeout_s=30.0))
+    receiver = WeightReceiver(worker_model, name="w")
+    receiver.accept(manifest, timeout_s=30.0)
+    open_local(registry.get("direct"), sender, {"w": receiver})
+    # The worker's mailbox, with no listener thread: the test plays the listener.
+    mailbox = Mailbox.create()
+    export = PushExport(
+        worker="w",
+        mailbox=mailbox.handle(),
+        doorbell="\0weightsync-nobody",
+        doorbell_key=os.urandom(16),
+        pid=os.getpid(),
+    )
+    push = registry.mode("push")
+    push.action("trainer", "arm")(sender, (export,))
+
+    def full(address: str, key: bytes, deadline: float, who: str) -> bool:
+        raise TransferTimeout(f"{who}: its doorbell's queue stayed full until the deadline", blames=[who])
+
+    monkeypatch.setattr(pusher_module, "ring", full)
+    before = {n: t.clone() for n, t in state_of(worker_model).items()}
+    try:
+        result = push.sync(sender, SyncCall(seq=0, version=1), "")
+        unwoken = result.workers["w"].outcome
+        assert not result.ok and unwoken.status is Status.TIMED_OUT and "doorbell" in unwoken.message
+        assert mailbox.posted() is None, "the call the trainer gave up on is still posted"
+        # A listener that read the call before it was withdrawn runs it: refused before any byte.
+        with pytest.raises(PeerAborted):
+            receiver.receive(SyncCall(seq=0, version=1))
+        assert receiver.status() == (None, "committed")
+        after = state_of(worker_model)
+        assert all(torch.equal(after[n], before[n]) for n in before)
+    finally:
+        receiver.close_transports(abort=True)
+        sender.close_transports(abort=True)
+        mailbox.control.close()

@@ -22,10 +22,11 @@ from tests import fsdp_model as fm
 from tests.conftest import RAY_TIMEOUT, ActorPool
 from tests.helpers import assert_bit_equal
 from weightsync import TrainerActor, WeightSync, WorkerActor
-from weightsync.core.wire.errors import SettingsError, SetupError, SyncError, VerificationError
-from weightsync.core.wire.messages import SourceLayout
+from weightsync.core.wire.errors import ConcurrentSyncError, SettingsError, SetupError, SyncError, VerificationError
+from weightsync.core.wire.messages import SourceLayout, SyncCall
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.glue.actors import TrainerHost, trainer_ranks
+from weightsync.glue.claims import claimed
 from weightsync.glue.ranks import RankSpec, TrainerRanks
 
 # Many small tensors (about 8.5 MB in all, none over 132 KB), so a bucket of 256 KiB is a
@@ -248,6 +249,48 @@ def test_verify_names_a_replicated_tensor_that_differs_between_ranks(two: dict[s
         ws.sync(14, verify=True)
         assert_synced(ranks, served)
         ws.verify()
+
+
+def test_two_weightsyncs_on_one_sharded_trainer_take_turns_and_overlapping_syncs_are_refused(
+    two: dict[str, Any],
+) -> None:
+    ranks, workers = two["ranks"], two["workers"]
+    rollout = {n: workers[n] for n in ("b0", "b1")}
+    evaluation = {n: workers[n] for n in ("i1", "d0")}
+    a = WeightSync(ranks, rollout, transport="owners", buffer_bytes=BUFFER, timeout_s=30)
+    b = WeightSync(ranks, evaluation, transport={"i1": "ipc", "d0": "auto"}, worker_ranks={"i1": 1}, timeout_s=30)
+    try:
+        a.setup()
+        b.setup()
+        assert a.transports() == {"b0": "owners", "b1": "owners"}
+        assert b.transports() == {"i1": "ipc", "d0": "owner-writes"}
+        for version, first, then in ((15, a, b), (16, b, a)):
+            train(ranks, 1, seed=version)
+            first.sync(version)
+            then.sync(version, verify=True)
+            assert_synced(ranks, workers)
+        # In this process, a sync while another WeightSync's holds the ranks is refused at once.
+        with claimed(a.ranks, a.label, "a sync"):
+            with pytest.raises(ConcurrentSyncError, match=a.label):
+                b.sync(17)
+        assert b.status() == {"i1": (16, "committed"), "d0": (16, "committed")}
+        # Two syncs reaching the ranks in different orders (as from two processes): each rank
+        # runs one WeightSync's while the other runs the other's. Every rank refuses in its
+        # agreement, naming both, instead of pairing their collectives on the trainer's group.
+        calls = {ws.label: SyncCall(seq=0, version=99, targets={}, owner=ws.label) for ws in (a, b)}
+        crossed = [(0, a), (1, b), (0, b), (1, a)]
+        outs = get([ranks[r].ws_send.remote(calls[ws.label]) for r, ws in crossed])
+        for o in outs:
+            assert not o.ok and o.error == "ConcurrentSyncError", o
+            assert a.label in o.message and b.label in o.message, o.message
+        # The trainer's group is intact: the ranks train on, both WeightSyncs sync.
+        train(ranks, 1, seed=17)
+        a.sync(17)
+        b.sync(17)
+        assert_synced(ranks, workers)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_three_ranks_mixed_dtensor_and_plain_model_with_a_bf16_wire(three: dict[str, Any]) -> None:

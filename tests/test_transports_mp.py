@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 
 import pytest
@@ -260,3 +261,65 @@ def test_a_rank_aborting_while_it_waits_on_a_live_peer_fails_that_peer_by_abort_
     finally:
         child.join(timeout=120)
     assert child.exitcode == 0
+
+
+def _host_rank_0(ports, ready) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 of three, which hosts the group's store (as a trainer does): joins, then idles
+    until the test kills it."""
+    store = open_store("127.0.0.1", 0, 3, 120.0)
+    ports.put(store.port)
+    GlooCommunicator("127.0.0.1", store.port, 0, 3, "host", 30.0, store=store)
+    ready.put("rank 0 joined")
+    time.sleep(600)  # killed long before
+
+
+def _wait_for_rank_2(port: int, ready, queue) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 of three: waits on a broadcast from rank 2, a live peer that never sends (as a
+    worker waits on another in gloo's relay of a large broadcast); reports how it ended."""
+    try:
+        comm = GlooCommunicator("127.0.0.1", port, 1, 3, "host", 30.0)
+        ready.put("rank 1 joined")
+        try:
+            comm.broadcast(torch.zeros(16), 2).wait(time.monotonic() + 15.0)
+            queue.put(("completed", ""))
+        except Exception as exc:
+            queue.put((type(exc).__name__, str(exc)))
+        comm.abort()
+    except BaseException as exc:
+        queue.put(("setup", repr(exc)))
+    for q in (ready, queue):
+        q.close()
+        q.join_thread()
+    os._exit(0)
+
+
+def test_a_rank_waiting_on_a_live_peer_fails_at_once_when_the_store_host_dies() -> None:
+    """Rank 0 (a trainer, which hosts the group's store) is killed (SIGKILL) while rank 1
+    waits on rank 2: nobody can write the abort word into a dead store, and rank 1's own
+    wait never touches rank 0. It must still fail at once, naming rank 0, not when its
+    deadline (15 s) runs out."""
+    ports, ready, queue = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    host = CTX.Process(target=_host_rank_0, args=(ports, ready))
+    host.start()
+    waiter = None
+    comm = None
+    try:
+        port = ports.get(timeout=120)
+        waiter = CTX.Process(target=_wait_for_rank_2, args=(port, ready, queue))
+        waiter.start()
+        comm = GlooCommunicator("127.0.0.1", port, 2, 3, "host", 30.0)
+        assert sorted(ready.get(timeout=120) for _ in range(2)) == ["rank 0 joined", "rank 1 joined"]
+        pending = comm.broadcast(torch.zeros(16), 1)  # rank 2 waits too, on rank 1
+        os.kill(host.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        kind, text = queue.get(timeout=120)
+        assert kind == "TransferError", f"rank 1 ended with {kind}: {text}"
+        assert "rank 0" in text and "store" in text, text
+        with pytest.raises(TransferError):
+            pending.wait(time.monotonic() + 15.0)
+    finally:
+        if comm is not None:
+            comm.abort()
+        host.join(timeout=120)
+        if waiter is not None:
+            waiter.join(timeout=120)
+    assert waiter.exitcode == 0

@@ -30,6 +30,7 @@ from examples.hf_transformers import sgd_step  # noqa: E402
 from tests import fsdp_model as fm  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT, ActorPool  # noqa: E402
+from tests.test_casts import deflate, inflate  # noqa: E402
 from tests.test_vllm import engine_prompt_logprobs, start_engine, stop_engine  # noqa: E402
 from weightsync import CastCount, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SyncError  # noqa: E402
@@ -189,10 +190,11 @@ def test_a_rank_killed_mid_sync_leaves_a_staging_engine_serving_its_version(
     before = gathered(ranks)
     (held_before,) = get(engine.collective_rpc.remote(vm.engine_params))
     get([r.call.remote(vm.nudge_shards, 4) for r in ranks])
-    get(ranks[1].die_at_bucket.remote(2))
     get(engine.stage_updates.remote(True))
     ws = WeightSync(ranks, {"vllm": engine}, transport="broadcast", buffer_bytes=BUFFER, timeout_s=60)
     try:
+        ws.setup()
+        get(ranks[1].die_at_bucket.remote(2))  # in this WeightSync's session, set up just now
         with pytest.raises(SyncError) as failed:
             ws.sync(4)
     finally:
@@ -225,9 +227,20 @@ def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(
         with WeightSync(trainer, {"vllm16": fp16}, buffer_bytes=BUFFER, timeout_s=120) as ws:
             report = ws.sync(1)
             count = len(ws.manifest.specs)  # type: ignore[union-attr]
-        (worker,) = report.workers
-        assert [(c.wire, c.held, c.tensors, c.loses) for c in worker.casts] == [("bfloat16", "float16", count, "range")]
-        assert f"vllm16 {count} tensor(s) bfloat16->float16, loses range" in report.summary()
+            (worker,) = report.workers
+            assert [(c.wire, c.held, c.tensors, c.loses) for c in worker.casts] == [
+                ("bfloat16", "float16", count, "range")
+            ]
+            assert f"vllm16 {count} tensor(s) bfloat16->float16, loses range" in report.summary()
+            assert worker.overflows == {}
+            # Three values beyond fp16's range: the engine's cast makes them inf, and the
+            # sync's report says where and how many.
+            name = get(trainer.call.remote(inflate, 3))
+            (worker,) = ws.sync(2).workers
+            assert worker.overflows == {name: 3}, worker
+            get(trainer.call.remote(deflate))
+            (worker,) = ws.sync(3).workers
+            assert worker.overflows == {}, worker
         (held,) = get(fp16.collective_rpc.remote(vm.engine_params))
         expected = vm.fused(get(trainer.call.remote(hf_state)), torch.bfloat16)
         for name, tensor in held.items():

@@ -309,10 +309,11 @@ def test_a_trainer_rank_killed_while_feeding_its_tp_rank_is_named(
     full = vm.fused(gathered(sharded), torch.bfloat16)
     held = get(engine.ranks.remote())[0].version
     get([r.call.remote(vm.nudge_shards, 16) for r in sharded])
-    get(sharded[1].die_at_bucket.remote(2))
     get(engine.stage_updates.remote(True))
     ws = WeightSync(sharded, {"vllm-tp2": engine}, buffer_bytes=BUFFER, timeout_s=60)
     try:
+        ws.setup()
+        get(sharded[1].die_at_bucket.remote(2))  # in this WeightSync's session, set up just now
         with pytest.raises(SyncError) as failed:
             ws.sync(held + 1)
     finally:

@@ -100,17 +100,18 @@ def check_destination(
 
 
 def check_commit(
-    worker: str, names: Sequence[str], got: ReceiveResult, mine: Sequence[Outcome], reference: Outcome | None
+    worker: str, names: Sequence[str], got: ReceiveResult, sent: Sequence[Outcome], reference: Outcome | None
 ) -> None:
-    """A verified commit's checks: every chunk's checksum ``worker`` took (``got``) against
-    those its own senders (``mine``, in rank order) sent, then what its sink holds against
-    ``reference`` (:func:`check_destination`). Raises :class:`ChecksumMismatch`."""
-    expected = [c for o in mine for c in o.value.checksums.get(got.transport, [])]
+    """A verified commit's checks of ``worker``'s receive ``got``: every chunk's checksum
+    against its senders' (``sent``, the parties whose bytes it received, theirs put together
+    in rank order), then every tensor its sink holds against ``reference`` (the trainer, or
+    rank 0 of a sharded one; see :func:`check_destination`). Raises ChecksumMismatch."""
+    expected = [c for o in sent for c in o.value.checksums.get(got.transport, [])]
     bad = [i for i, (a, b) in enumerate(zip(got.checksums, expected)) if a != b]
     if bad or len(got.checksums) != len(expected):
         which = ", ".join(f"chunk {i}" for i in bad) or f"{len(got.checksums)} checksums for {len(expected)} chunks"
         raise ChecksumMismatch(f"{worker}: checksum mismatch ({which}): bytes corrupted in transit")
-    check_destination(worker, names, got.held, _diverging(mine, reference), reference or mine[0])
+    check_destination(worker, names, got.held, _diverging(sent, reference), reference or sent[0])
 
 
 def _diverging(sent: Sequence[Outcome], reference: Outcome | None) -> Outcome:

@@ -15,6 +15,8 @@ from weightsync.core.delta.encoding import Kind
 from weightsync.core.delta.wire_copy import WireCopy
 from weightsync.core.packing import read_checksums, word_sum
 from weightsync.core.stage import Staging
+from weightsync.core.wire.casts import TensorCast, overflows
+from weightsync.core.wire.dtypes import dtype_from_name
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -38,7 +40,10 @@ class LoadWeightsSink:
     ``load_weights`` must copy each tensor into its own (with ``copy_``, as vLLM's loaders
     do), which casts: ``expected_specs`` may name a floating dtype other than the wire's,
     and the handshake records the cast (:mod:`weightsync.core.wire.casts`). The checksums
-    are of the bytes handed over, in the wire's dtype.
+    are of the bytes handed over, in the wire's dtype. For each cast that narrows the range
+    (fp16 held from an fp32 or bf16 wire) it counts, per sync, the values the cast turns
+    into ``inf`` (:meth:`watch_casts`, :meth:`take_overflows`; a staged sync's when its
+    stage is sealed).
 
     In a delta session (``SyncSettings(delta=True)``) the sink keeps its own copy of the
     wire bytes it was handed (``keep_base``, which the receiver calls at setup), applies
@@ -84,6 +89,10 @@ class LoadWeightsSink:
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
         self._received: dict[str, torch.Tensor] = {}
+        #: Per tensor whose cast narrows the range, the dtype it is held in; this sync's
+        #: count of values that cast turns into ``inf``, per such tensor.
+        self._narrowed: dict[str, torch.dtype] = {}
+        self._overflows: dict[str, torch.Tensor] = {}
         self.device = torch.device(device)
         self.staging = Staging(stage, keep_stage, record_checksums)
         self.staged = False
@@ -112,6 +121,26 @@ class LoadWeightsSink:
 
     def seal(self) -> None:
         self.staging.seal()
+        if self._narrowed:
+            self._count_overflows(self.staging.items())
+
+    def watch_casts(self, casts: Iterable[TensorCast]) -> None:
+        """The casts the handshake accepted (the receiver passes them on): from now on each
+        tensor cast to a narrower range is counted for values that overflow to ``inf``."""
+        self._narrowed = {c.name: dtype_from_name(c.held) for c in casts if c.loses == "range"}
+        self._overflows = {}
+
+    def take_overflows(self) -> dict[str, int]:
+        """Per tensor handed over since the last call, how many values its cast turned into
+        ``inf`` (tensors without any left out); counting starts afresh."""
+        counts, self._overflows = self._overflows, {}
+        return {name: n for name, count in counts.items() if (n := int(count))}
+
+    def _count_overflows(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in items:
+            held = self._narrowed.get(name)
+            if held is not None:
+                self._overflows[name] = overflows(tensor, held)
 
     def land(self) -> None:
         """Load what a staged sync kept (the receiver calls it as the sync commits)."""
@@ -189,6 +218,7 @@ class LoadWeightsSink:
 
     def _take(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
+            self._count_overflows(items)
             if self._record:
                 for name, tensor in items:
                     self._received[name] = word_sum(tensor)

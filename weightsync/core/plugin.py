@@ -320,9 +320,15 @@ class Mode(Plugin):
     (``owner``: the label of the coordinator asking, "" from inside the trainer); refuses,
     saying what to do, when the mode is not set up on ``side``."""
 
+    armed: Callable[[TrainerSide], bool] | None = None
+    """Whether the mode is set up on the trainer party ``side`` now (a trainer that several
+    coordinators set up picks the session a sync from inside it is for); None: it cannot tell."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.over, str) or not self.over:
             raise SettingsError(f"mode {self.name!r}: over must name a transport")
         if not callable(self.sync):
             raise SettingsError(f"mode {self.name!r}: sync must be callable")
+        if self.armed is not None and not callable(self.armed):
+            raise SettingsError(f"mode {self.name!r}: armed must be callable or None")

@@ -5,12 +5,11 @@ transport, and runs the worker's state machine for every transport alike. It imp
 Ray and names no transport: the plug-ins' setup actions install its half (it is their
 :class:`~weightsync.core.plugin.WorkerSide`). One session::
 
-    receiver.accept(manifest, server, timeout_s)   refuses a mismatch, by tensor, before any
-                                                   byte; the receiver's Session starts here
+    receiver.accept(manifest, server, timeout_s, owner)   refuses a mismatch, by tensor, before
+                                                   any byte; the receiver's Session starts here
     the plug-in's worker actions                   -> receiver.install(half)
     per sync: receiver.receive(call)               -> ReceiveResult (commits at once when the
-                                                      half knows the sender finished, unless
-                                                      verifying)
+                                                      half knows the sender finished)
               receiver.commit(call, got, ref, *sent)  otherwise: once every serving side (and,
                                                       with verify, the reference's) is known
     after a failed sync: receiver.settle()         -> (version, state)
@@ -30,7 +29,8 @@ from weightsync.core.checking import check_commit
 from weightsync.core.delta.landing import DeltaReceiving, landing_for
 from weightsync.core.halves import ReceiveHalf, abort_each, shed_traceback
 from weightsync.core.lora.sink import AdapterSinkFactory, session_sink
-from weightsync.core.sinks import ModuleSink, Sink
+from weightsync.core.ownership import foreign, refuse_foreign
+from weightsync.core.sinks import ModuleSink, Sink, taken_overflows, watch_casts
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import (
     ChecksumMismatch,
@@ -72,6 +72,9 @@ class WeightReceiver(TransportEnd):
         #: the sink :func:`~weightsync.core.lora.sink.session_sink` picks instead, made by
         #: ``adapter_sink`` when set (None: a ModuleSink of a PEFT model takes it, else refused).
         self.model_sink = self.sink
+        #: The label of the coordinator that set it up last ("": none given): see
+        #: :mod:`weightsync.core.ownership`.
+        self.owner = ""
         self.adapter_sink: AdapterSinkFactory | None = None
         self.name = name
         self._expect = (expect_buffer_bytes, expect_num_buffers, expect_inplace_bytes)
@@ -101,14 +104,19 @@ class WeightReceiver(TransportEnd):
         self._header: tuple[int | None, bool | None] = (None, None)
 
     def accept(
-        self, manifest: Manifest, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        manifest: Manifest,
+        server: str = TRAINER_PARTY,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        owner: str = "",
     ) -> tuple[TensorCast, ...]:
         """Check ``manifest`` against this worker; raises naming every mismatch, moves nothing.
 
         Starts this set-up's Session: ``server`` is the trainer party that feeds this
-        worker (named when it fails), ``timeout_s`` bounds every wait. Returns the tensors
-        this worker's sink casts on load (held in another floating dtype than the wire's;
-        only a sink with ``casts_on_load`` may), also kept as :attr:`casts`.
+        worker (named when it fails), ``timeout_s`` bounds every wait, ``owner`` labels the
+        coordinator setting it up. Returns the tensors this worker's sink casts on load (held
+        in another floating dtype than the wire's; only a sink with ``casts_on_load`` may),
+        also kept as :attr:`casts` and handed to the sink (which may count overflows).
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"{self.name}: expected a Manifest, got {type(manifest).__name__}")
@@ -125,24 +133,12 @@ class WeightReceiver(TransportEnd):
         self.close_transports()
         self.sink = sink
         self._session = session
+        self.owner = owner
         self.casts = casts
+        watch_casts(self.sink, casts)
         if callable(keep := getattr(self.sink, "keep_base", None)):  # a sink that rebuilds whole tensors
             keep(manifest.agreed.delta)  # keeps the wire bytes to apply deltas to
         return casts
-
-    @property
-    def session(self) -> Session:
-        if self._session is None:
-            raise WeightSyncError(f"{self.name}: no manifest accepted yet; run setup()")
-        return self._session
-
-    @property
-    def manifest(self) -> Manifest | None:
-        """The accepted Manifest, or None before the first setup."""
-        return self._session.manifest if self._session is not None else None
-
-    def _manifest(self) -> Manifest:
-        return self.session.manifest
 
     # the state machine ----------------------------------------------------------------
     #
@@ -160,6 +156,7 @@ class WeightReceiver(TransportEnd):
     def receive(self, call: SyncCall) -> ReceiveResult:
         """This worker's side of sync ``call``: check, take the bytes, commit (not broadcast)."""
         start = time.perf_counter()
+        refuse_foreign(self.name, self.owner, call.owner)
         half = self.active_half
         if half is None:
             raise WeightSyncError(f"{self.name}: no transport is open; run setup()")
@@ -173,22 +170,11 @@ class WeightReceiver(TransportEnd):
         in_flight = self.state is WorkerState.RECEIVING and self._stages()
         try:
             half.start(call)
-            if in_flight:
-                raise SyncInFlight(
-                    f"{self.name}: version {call.version}'s sync refused: the sync of version {self._incoming} is "
-                    "still in flight here (received, not yet committed); one sync at a time per worker: wait for "
-                    "it to commit or fail"
-                )
-            self._check_version(call)
-            self._incoming = call.version
-            if call.verify and not getattr(self.sink, "records_checksums", True):
-                raise WeightSyncError(
-                    f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
-                    "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
-                )
+            self._check_call(call, in_flight)
+            taken_overflows(self.sink)  # what an earlier sync that failed midway counted
             checksums, stale = self._take(half, call)
             if call.verify and not stale:
-                held = self.sink.checksums(self._manifest())
+                held = self.sink.checksums(self.session.manifest)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers know
             failure = shed_traceback(exc)
         if failure is not None:
@@ -212,16 +198,37 @@ class WeightReceiver(TransportEnd):
             stale=stale,
             transport=half.kind,
             held=held,
+            overflows=taken_overflows(self.sink),
             delta=self._header[1],
             token=self.held_token or 0,
             **self._staged_result(swapped),
         )
 
+    def _check_call(self, call: SyncCall, in_flight: bool) -> None:
+        """Refuse ``call`` before any byte moves: a staged sync still in flight here, an older
+        version, a verify this sink cannot answer."""
+        if in_flight:
+            raise SyncInFlight(
+                f"{self.name}: version {call.version}'s sync refused: the sync of version {self._incoming} is "
+                "still in flight here (received, not yet committed); one sync at a time per worker: wait for "
+                "it to commit or fail"
+            )
+        if self.version is not None and call.version < self.version and not call.force:
+            raise VersionError(
+                f"{self.name}: version {call.version} is older than the version it holds "
+                f"({self.version}); pass force=True to overwrite anyway"
+            )
+        self._incoming = call.version
+        if call.verify and not getattr(self.sink, "records_checksums", True):
+            raise WeightSyncError(
+                f"{self.name}: verify compares what the sink holds after loading, and this sink does not "
+                "record it (LoadWeightsSink(record_checksums=False)): record checksums or sync without verify"
+            )
+
     def _take(self, half: ReceiveHalf, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
-        """The bytes of ``call`` into the sink (in a delta session through the header's
-        landing, onto the bytes this worker holds); a staging sink's stage sealed."""
+        """The bytes of ``call`` into the sink (a delta's through its header's landing); a stage sealed."""
         base = self.held_token if self.state is WorkerState.COMMITTED else None
-        landing = landing_for(self.sink, self._manifest(), half, base, self.name)
+        landing = landing_for(self.sink, self.session.manifest, half, base, self.name)
         checksums, stale = half.receive(landing, call, self._begin)
         if isinstance(landing, DeltaReceiving) and landing.header is not None:
             self._header = (landing.header.new_token, landing.took_delta)
@@ -250,6 +257,7 @@ class WeightReceiver(TransportEnd):
         serving this worker is named)."""
         if not received.ok:
             raise PeerAborted(f"{self.name}: its own receive failed; nothing to commit", blames=[self.name])
+        refuse_foreign(self.name, self.owner, call.owner)
         if not sent:
             raise WeightSyncError(f"{self.name}: asked to commit without any sender's answer (a weightsync bug)")
         failed_senders = [o.party for o in sent if not o.ok]
@@ -274,7 +282,7 @@ class WeightReceiver(TransportEnd):
             half = self.active_half
             try:
                 check_commit(
-                    self.name, self._manifest().names, got, half.own_senders(sent) if half else sent, reference
+                    self.name, self.session.manifest.names, got, half.own_senders(sent) if half else sent, reference
                 )
             except ChecksumMismatch:
                 self._fail()
@@ -290,24 +298,19 @@ class WeightReceiver(TransportEnd):
             **self._staged_result(swapped),
         )
 
-    def settle(self) -> tuple[int | None, str]:
-        """After a failed sync: a worker still receiving is dirty (its bytes may be a mix);
-        a staging sink drops what it kept (its model was never touched)."""
+    def settle(self, owner: str = "") -> tuple[int | None, str]:
+        """After a failed sync of coordinator ``owner``: a worker still receiving is dirty
+        (its bytes may be a mix); a staging sink drops what it kept (its model was never
+        touched). A worker another coordinator took over since only says what it holds."""
+        if foreign(self.owner, owner):
+            return self.status()
         if self.state is WorkerState.RECEIVING:
             self._fail()
         else:
             self._discard()
         return self.status()
 
-    def _check_version(self, call: SyncCall) -> None:
-        if self.version is not None and call.version < self.version and not call.force:
-            raise VersionError(
-                f"{self.name}: version {call.version} is older than the version it holds "
-                f"({self.version}); pass force=True to overwrite anyway"
-            )
-
-    def _stages(self) -> bool:
-        """True when the sink keeps a sync's tensors until it commits (a staging sink)."""
+    def _stages(self) -> bool:  # the sink keeps a sync's tensors until it commits
         return bool(getattr(self.sink, "staged", False))
 
     def _begin(self) -> None:
@@ -358,8 +361,7 @@ class WeightReceiver(TransportEnd):
         return held
 
     def _staged_result(self, swapped: float) -> dict[str, Any]:
-        """A staging worker's fields of its ReceiveResult: its stage, and the time the swap
-        held readers off when it swapped in this call."""
+        """A staging worker's ReceiveResult fields: its stage, and its swap's hold in this call."""
         staging = getattr(self.sink, "staging", None) if self._stages() else None
         stage = staging.report() if staging is not None else None
         return {"stage": stage, "held_off_s": swapped if swapped else None}
@@ -386,4 +388,4 @@ class WeightReceiver(TransportEnd):
 
     def checksums(self) -> list[int] | None:
         """Per tensor, the checksum of what this worker holds (module sinks) or last received."""
-        return self.sink.checksums(self._manifest())
+        return self.sink.checksums(self.session.manifest)

@@ -27,7 +27,8 @@ from weightsync.core.delta.sending import DeltaSending
 from weightsync.core.halves import Rider, SendHalf, Sources, abort_each, shed_traceback
 from weightsync.core.packing import read_checksums, tensor_checksums, word_sum
 from weightsync.core.riders import RiddenTensors
-from weightsync.core.sinks import TensorPaths, module_tensors
+from weightsync.core.sinks import module_tensors
+from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire.adapter import AdapterConfig
 from weightsync.core.wire.dtypes import check_wire_dtype
 from weightsync.core.wire.errors import ModelChangedError, WeightSyncError
@@ -141,13 +142,12 @@ class WeightSender:
         """This sync's tensors in manifest order and their :func:`plan_key`; refuses, naming
         the tensors, a model that changed since setup (added, removed, reshaped, re-typed).
 
-        The tensors may be the module's own parameters, not detached (detaching 194 of them
-        costs more than checking them): copy from them under ``torch.no_grad()``. Names are
-        checked again only when the module's structure changed since the last check
-        (:class:`TensorPaths`): walking and naming every tensor each sync costs more than
-        the copies of a small model. The key of the last checked tensors is kept, and
-        returned as the same object while nothing moved, so a copy plan keyed on it is
-        reused with an identity check.
+        The tensors may be the module's own parameters, not detached (detaching 194 of them costs
+        more than checking them): copy from them under ``torch.no_grad()``. Names are checked again
+        only when the module's structure changed since the last check (:class:`TensorPaths`):
+        walking and naming every tensor each sync costs more than the copies of a small model. The
+        key of the last checked tensors is kept, and returned as the same object while nothing
+        moved, so a copy plan keyed on it is reused with an identity check.
         """
         manifest = self.current_manifest
         plain = self.model is not None and self.source is None and self.transform is None

@@ -28,6 +28,8 @@ from weightsync.core.halves import Landing
 from weightsync.core.load_weights_sink import LoadWeightsSink
 from weightsync.core.packing import tensor_checksums
 from weightsync.core.stage import CopyPlans, Staging, copy_in, one_device
+from weightsync.core.tensor_paths import TensorPaths
+from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.errors import ManifestError, ModelChangedError
 from weightsync.core.wire.manifest import Manifest, TensorSpec
 
@@ -51,66 +53,6 @@ def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(buffer))
             out.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
     return out
-
-
-class TensorPaths:
-    """The objects along the path to each named tensor of a module, for a cheap re-check.
-
-    Each link (a module's ``_modules``, ``_parameters`` or ``_buffers`` entry) is recorded
-    once; :meth:`unchanged` looks each up again. If every link still holds the same object,
-    every name still reaches the same tensor object, without walking the module tree or
-    building names (which costs more per sync than the copies of a small model).
-    The number of entries in every module's tables is recorded too, so a tensor or module
-    added anywhere is noticed, and so is each module's set of non-persistent buffers, so a
-    buffer made persistent or non-persistent (which a full walk would add or drop) is too. A tensor object can still have been given new storage or a
-    new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
-    """
-
-    def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
-        links: dict[tuple[int, str], tuple[dict[str, object], str, object]] = {}
-
-        def follow(name: str) -> torch.Tensor:
-            owner = module
-            *path, leaf = name.split(".")
-            for part in path:
-                child = owner._modules[part]
-                assert child is not None
-                links[(id(owner._modules), part)] = (owner._modules, part, child)  # type: ignore[assignment]
-                owner = child
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
-            tensor = table[leaf]
-            assert tensor is not None
-            links[(id(table), leaf)] = (table, leaf, tensor)  # type: ignore[assignment]
-            return tensor
-
-        self.tensors = [follow(name) for name in names]
-        # Every other name of a tied or shared tensor too: untying one (a new tensor under
-        # the second name) must send the caller back to a full check.
-        for alias, _ in module.named_parameters(remove_duplicate=False):
-            follow(alias)
-        for module_name, sub in module.named_modules(remove_duplicate=False):
-            for buffer_name in sub._buffers:
-                if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
-                    follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
-        self._links = list(links.values())
-        # How many entries each module's tables hold: a tensor or module added anywhere
-        # (which no recorded link would notice) changes one of these counts.
-        self._census = [
-            (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
-        ]
-        # Which buffers each module keeps out of its state: ``register_buffer(name, buffer,
-        # persistent=...)`` on a registered name moves it in or out of the synced tensors
-        # while every table keeps its objects and counts.
-        self._transient = [
-            (sub._non_persistent_buffers_set, frozenset(sub._non_persistent_buffers_set)) for sub in module.modules()
-        ]
-
-    def unchanged(self) -> bool:
-        return (
-            all(len(table) == count for table, count in self._census)
-            and all(table.get(key) is obj for table, key, obj in self._links)
-            and all(names == then for names, then in self._transient)
-        )
 
 
 class Sink(Landing, Protocol):
@@ -275,4 +217,19 @@ class ModuleSink:
         return tensor_checksums([held[spec.name] for spec in manifest.specs])
 
 
-__all__ = ["LoadWeightsSink", "ModuleSink", "Sink", "TensorPaths", "module_tensors"]
+def watch_casts(sink: Sink, casts: Sequence[TensorCast]) -> None:
+    """Hand ``sink`` the casts the handshake accepted, when it counts overflows (see
+    :meth:`LoadWeightsSink.watch_casts`)."""
+    watch = getattr(sink, "watch_casts", None)
+    if callable(watch):
+        watch(casts)
+
+
+def taken_overflows(sink: Sink) -> dict[str, int]:
+    """Per tensor, the values ``sink``'s casts on load turned into inf since the last call
+    (``{}`` for a sink that does not count them)."""
+    take = getattr(sink, "take_overflows", None)
+    return take() if callable(take) else {}
+
+
+__all__ = ["LoadWeightsSink", "ModuleSink", "Sink", "TensorPaths", "module_tensors", "taken_overflows", "watch_casts"]

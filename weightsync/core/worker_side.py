@@ -18,6 +18,7 @@ import torch
 from weightsync.core.halves import ReceiveHalf
 from weightsync.core.plugin import Listening
 from weightsync.core.wire.errors import WeightSyncError
+from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import ReceiveResult, SyncCall
 from weightsync.core.wire.session import Deadlines, Session
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
@@ -38,6 +39,18 @@ class TransportEnd:
         self.gate = threading.RLock()
         #: Push mode's listener (see :meth:`listen`), closed with the transports.
         self.listener: Listening | None = None
+
+    @property
+    def session(self) -> Session:
+        """What the last accepted set-up fixed (its Manifest, server, timeout)."""
+        if self._session is None:
+            raise WeightSyncError(f"{self.name}: no manifest accepted yet; run setup()")
+        return self._session
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The accepted Manifest, or None before the first setup."""
+        return self._session.manifest if self._session is not None else None
 
     def receive_pushed(self, call: SyncCall) -> ReceiveResult:
         raise NotImplementedError

@@ -19,10 +19,12 @@ plug-in), one round of a sync (:mod:`~weightsync.glue.round`), the report
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -39,6 +41,7 @@ from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.report import SyncReport
 from weightsync.core.wire.session import Deadlines
 from weightsync.core.wire.settings import BufferBytes, DeltaBase, SyncSettings
+from weightsync.glue.claims import claimed
 from weightsync.glue.deltas import DeltaBook
 from weightsync.glue.membership import Membership
 from weightsync.glue.metrics import SyncMetrics
@@ -91,12 +94,18 @@ class WeightSync:
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast
     workers, each colocated worker is served by the rank on its device, or by
     ``worker_ranks[name]``.
+
+    Several WeightSyncs may share one trainer (each with workers of its own): each has its
+    own session on the trainer's parties, picked by :attr:`label`, so their setups, syncs,
+    failures and closes never touch each other. A worker takes part in one WeightSync at a
+    time (a later setup takes it over; the earlier WeightSync's syncs then refuse it by
+    name). The syncs of two WeightSyncs on one sharded trainer must not overlap: the later
+    one is refused (:class:`~weightsync.core.wire.errors.ConcurrentSyncError`).
     """
 
     #: The session's Manifest and the version the workers hold (None before the first sync).
     manifest: Manifest | None = None
     version: int | None = None
-    _ready = False
     #: Set by close(): a sync or verify would set up again with nobody left to close it.
     _closed = False
     _seq = 0
@@ -143,30 +152,36 @@ class WeightSync:
         self.push = push
         self.trainer = ranks.handles[0]
         self._members = Membership(ranks, workers, transport)
-        #: How the trainer's parties name this coordinator (a push that finds its session
-        #: torn down says by which one).
+        #: Which session on the trainer's parties is this coordinator's (one per WeightSync),
+        #: and how errors name it; ``TrainerMixin.weightsync_push(sync=label)`` picks it.
         self.label = f"WeightSync {uuid.uuid4().hex[:8]}"
-        self._steps = Steps(self._members, lambda: self.deadlines, self.label)
-        self._steps.on_teardown = self._unready
+        self._build_steps(ranks.check_map(worker_ranks, list(self._members.members)))
+        self._lock = threading.Lock()
+        self._metrics = SyncMetrics()
+        self._deltas = DeltaBook(self.settings.delta, self.settings.delta_keyframe)
+        # Not at interpreter exit: the actors end with the driver then.
+        weakref.finalize(self, _close_abandoned, self._members, self.label, self._life).atexit = False
+
+    def _build_steps(self, worker_ranks: dict[str, int]) -> None:
+        """The parts that run this coordinator's steps: its steps, setup and round."""
+        # Nothing the parts hold refers back to this object, so a WeightSync dropped without
+        # close() is collected at once and closes its sessions (see _close_abandoned).
+        self._life = _Life()
+        self._steps = Steps(self._members, functools.partial(Deadlines, self.settings.timeout_s), self.label)
+        self._steps.on_teardown = self._life.unready
         self._setup = Setup(
             self._members,
             self._steps,
             self.settings,
-            {"backend": backend},
-            registry.mode("push") if push else None,
-            ranks.check_map(worker_ranks, list(self._members.members)),
+            {"backend": self.backend},
+            registry.mode("push") if self.push else None,
+            worker_ranks,
         )
         self._round = Round(self._members, self._steps)
-        self._lock = threading.Lock()
-        self._metrics = SyncMetrics()
-        self._deltas = DeltaBook(self.settings.delta, self.settings.delta_keyframe)
 
     @property
     def deadlines(self) -> Deadlines:
         return Deadlines(self.settings.timeout_s)
-
-    def _unready(self) -> None:
-        self._ready = False
 
     # membership -------------------------------------------------------------------------
     def add_worker(self, handle: Any, name: str | None = None) -> str:
@@ -174,7 +189,7 @@ class WeightSync:
         with self._lock:
             added = self._members.add(name, handle)
             self._deltas.forget([added])
-            self._ready = False
+            self._life.ready = False
             return added
 
     def remove_worker(self, name: str) -> None:
@@ -215,10 +230,11 @@ class WeightSync:
             )
 
     def _set_up(self) -> Manifest:
-        self._ready = False
+        self._life.ready = False
+        self._life.opened = True  # a failed setup leaves sessions open on the parties it reached
         manifest = self._setup.run()
         self.manifest = manifest
-        self._ready = True
+        self._life.ready = True
         self._seq = 0
         return manifest
 
@@ -244,16 +260,19 @@ class WeightSync:
                     "pass force=True to sync it anyway"
                 )
             try:
-                if not self._ready:
+                if not self._life.ready:
                     self._set_up()
-                report = self._sync(version, check, force)
+                with claimed(self.ranks, self.label, f"sync of version {version}"):
+                    report = self._sync(version, check, force)
             except Exception:
                 self._metrics.failed()
                 self._deltas.forget()
                 raise
             self._metrics.record(report)
-            if log.isEnabledFor(logging.INFO):
-                log.info(report.summary())
+            # Values a worker's cast on load turned into inf are worth a warning every time.
+            level = logging.WARNING if any(w.overflows for w in report.workers) else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, report.summary())
             return report
 
     def _sync(self, version: int, verify: bool, force: bool) -> SyncReport:
@@ -266,6 +285,7 @@ class WeightSync:
             verify=verify,
             force=force,
             targets=targets(members),
+            owner=self.label,
             delta_holds=self._deltas.holds(m.name for m in members),
             delta_token=self._deltas.token(),
         )
@@ -313,7 +333,11 @@ class WeightSync:
                 self._set_up()
             assert self.manifest is not None
             handles = self._members.handles()
-            outs = self._steps.gather({(p, "checksums"): h.ws_checksums.remote() for p, h in handles.items()})
+            kwargs = self._steps.trainer_kwargs
+            with claimed(self.ranks, self.label, "verify()"):
+                outs = self._steps.gather(
+                    {(p, "checksums"): h.ws_checksums.remote(**kwargs(p)) for p, h in handles.items()}
+                )
             trainer = [outs[(r, "checksums")] for r in self.ranks.names]
             workers = {n: outs[(n, "checksums")] for n in self._members.members}
             return compare_checksums(trainer, workers, self.manifest.names)
@@ -326,11 +350,13 @@ class WeightSync:
 
     # teardown ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Tear down groups and exports on every live party; the actors stay up. A later
+        """Tear down this WeightSync's groups and exports on every live party (its session on
+        the trainer's parties is dropped; other WeightSyncs' stay); the actors stay up. A later
         ``sync()`` or ``verify()`` raises :class:`ClosedError` until ``setup()`` is called."""
         with self._lock:
             self._closed = True
-            self._steps.teardown(why="close()")
+            self._steps.teardown(why="close()", forget=True)
+            self._life.opened = False
 
     def __enter__(self) -> WeightSync:
         self.setup()
@@ -338,3 +364,28 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Life:
+    """Where a WeightSync stands: ``ready`` (set up, nothing torn down since) and ``opened``
+    (it may hold sessions on its parties: a setup began, no ``close()`` since)."""
+
+    ready = False
+    opened = False
+
+    def unready(self) -> None:
+        self.ready = False
+
+
+def _close_abandoned(members: Membership, label: str, life: _Life) -> None:
+    """A WeightSync garbage-collected without ``close()``: close its sessions on every party
+    it may have set up (each call is sent, not awaited; a worker another coordinator set up
+    since keeps that one's session)."""
+    if not life.opened or not ray.is_initialized():
+        return
+    why = f"{label} (garbage-collected without close())"
+    for party, handle in members.handles().items():
+        if party in members.ranks.names:
+            handle.ws_teardown.remote(True, why, owner=label, forget=True)
+        else:
+            handle.ws_teardown.remote(True, owner=label)

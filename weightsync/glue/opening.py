@@ -49,7 +49,9 @@ class RayOpening:
             )
         handles = self.steps.membership.handles()
         calls = {
-            (party, request.action): handles[party].ws_open.remote(self.plugin, request.action, *request.args)
+            (party, request.action): handles[party].ws_open.remote(
+                self.plugin, request.action, *request.args, **self.steps.trainer_kwargs(party)
+            )
             for party, request in requests.items()
         }
         outs = self.steps.run(calls, f"{when} ({self.plugin.name})")

@@ -39,6 +39,7 @@ def build_report(
                 held_off_s=r.held_off_s,
                 stage=r.stage,
                 casts=count_casts(m.casts),
+                overflows=dict(r.overflows),
                 encoding="" if r.delta is None else ("delta" if r.delta else "dense"),
                 sent_bytes=sent.sent_bytes.get(m.transport, manifest.total_bytes),
             )

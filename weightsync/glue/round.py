@@ -157,7 +157,10 @@ class Round:
         }
         settle = [name for name in verdict.settle(self.membership.members) if name not in waiting]
         settled = self.steps.gather(
-            {(name, "settle"): self.membership.members[name].handle.ws_settle.remote() for name in settle}
+            {
+                (name, "settle"): self.membership.members[name].handle.ws_settle.remote(owner=self.steps.owner)
+                for name in settle
+            }
         )
         held: dict[str, tuple[int | None, str]] = {}
         for (name, _), o in settled.items():

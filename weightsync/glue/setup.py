@@ -69,7 +69,8 @@ class Setup:
             self.steps.deadlines.startup_s,
         )
         outs = self.steps.run(
-            {(p, "describe"): h.ws_describe.remote() for p, h in handles.items()}, "describing the parties"
+            {(p, "describe"): h.ws_describe.remote(**self.steps.trainer_kwargs(p)) for p, h in handles.items()},
+            "describing the parties",
         )
         self.infos = {p: o.value for p, o in outs.items()}
         self._choose()
@@ -132,7 +133,8 @@ class Setup:
         layouts = None
         if ranks.sharded:
             laid = self.steps.run(
-                {(r, "layout"): h.ws_layout.remote(r) for r, h in parties.items()}, "describing the trainer's ranks"
+                {(r, "layout"): h.ws_layout.remote(r, owner=self.steps.owner) for r, h in parties.items()},
+                "describing the trainer's ranks",
             )
             layouts = {r: laid[r].value for r in ranks.names}
         verdict = judge(
@@ -151,7 +153,9 @@ class Setup:
         members = self.membership.members.values()
         outs = self.steps.run(
             {
-                (m.name, "accept"): m.handle.ws_accept.remote(manifest, m.name, self.ranks.names[m.rank], timeout)
+                (m.name, "accept"): m.handle.ws_accept.remote(
+                    manifest, m.name, self.ranks.names[m.rank], timeout, owner=self.steps.owner
+                )
                 for m in members
             },
             "in the handshake, before any byte moved",

@@ -56,14 +56,17 @@ class Steps:
             raise verdict.setup_error(dropped)
         return outs
 
-    def teardown(self, abort: bool = False, skip: Iterable[str] = (), why: str = "a teardown") -> None:
-        """Close every transport on every party not in ``skip``; failures are logged (a party
-        that died is dropped by the step that saw it die, or named by the next setup).
-        The trainer's parties are told who tore them down and ``why``."""
+    def teardown(
+        self, abort: bool = False, skip: Iterable[str] = (), why: str = "a teardown", forget: bool = False
+    ) -> None:
+        """Close this coordinator's transports on every party not in ``skip``; failures are
+        logged (a party that died is dropped by the step that saw it die, or named by the
+        next setup). The trainer's parties are told who tore them down and ``why``; with
+        ``forget`` (``close()``) they drop this coordinator's session altogether."""
         self.on_teardown()
         left_out = set(skip)
         calls = {
-            (p, "teardown"): self.close_call(p, h, abort, why)
+            (p, "teardown"): self.close_call(p, h, abort, why, forget)
             for p, h in self.membership.handles().items()
             if p not in left_out
         }
@@ -71,8 +74,15 @@ class Steps:
             if not o.ok:
                 log.warning("weightsync: teardown on %s: %s", party, o.line())
 
-    def close_call(self, party: str, handle: Any, abort: bool, why: str) -> Any:
-        """The teardown call of ``party``: a trainer party is told who closes it, and why."""
+    def close_call(self, party: str, handle: Any, abort: bool, why: str, forget: bool = False) -> Any:
+        """The teardown call of ``party`` for this coordinator's session (a worker another
+        coordinator set up since keeps that one's): a trainer party is told who closes it,
+        and why."""
         if party in self.membership.ranks.names:
-            return handle.ws_teardown.remote(abort, f"{self.owner} ({why})")
-        return handle.ws_teardown.remote(abort)
+            return handle.ws_teardown.remote(abort, f"{self.owner} ({why})", owner=self.owner, forget=forget)
+        return handle.ws_teardown.remote(abort, owner=self.owner)
+
+    def trainer_kwargs(self, party: str) -> dict[str, Any]:
+        """What picks this coordinator's session in a call to ``party``: its label, for a
+        trainer party (which holds one session per coordinator); nothing for a worker."""
+        return {"owner": self.owner} if party in self.membership.ranks.names else {}

@@ -6,6 +6,12 @@ methods, each answering an :class:`~weightsync.core.wire.outcome.Outcome`. Call 
 session: ws_describe -> ws_manifest (-> ws_layout for ranks) -> ws_open, once per step of
 each transport plug-in's setup -> per sync ws_send (or ws_push) -> ws_teardown. No method
 names a transport: ws_open runs whatever action the plug-in it is handed declares.
+
+One trainer may feed several WeightSyncs (rollout engines and an evaluation pool, say):
+each coordinator has a session of its own on this party (its endpoint, with its halves,
+groups, regions and push state), picked by the coordinator's label (``owner``, or
+``SyncCall.owner``), so one's setup, syncs, failures and close never touch another's.
+The actor runs one call at a time, so their syncs take turns here.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from weightsync.core.plugin import Plugin
 from weightsync.core.policy import judge
 from weightsync.core.sender import WeightSender
 from weightsync.core.sharded import ShardedSender, has_dtensors
-from weightsync.core.wire.errors import SyncError, WeightSyncError
+from weightsync.core.wire.errors import SettingsError, SyncError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import EndpointInfo, PushResult, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome
@@ -31,6 +37,10 @@ from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
+
+#: How many closed sessions a trainer party remembers (who closed them), for the message
+#: of a push asked of one.
+_CLOSED_KEPT = 16
 
 
 class TrainerMixin:
@@ -43,8 +53,27 @@ class TrainerMixin:
     def weightsync_device(self) -> torch.device:
         return resolve_device(getattr(self, "device", "cpu"))
 
-    def _ws(self) -> WeightSender:
-        sender = getattr(self, "_ws_sender", None)
+    def _senders(self) -> dict[str, WeightSender]:
+        senders: dict[str, WeightSender] | None = getattr(self, "_ws_senders", None)
+        if senders is None:
+            senders = {}
+            self._ws_senders = senders
+        return senders
+
+    def _closed(self) -> dict[str, str]:
+        closed: dict[str, str] | None = getattr(self, "_ws_closed", None)
+        if closed is None:
+            closed = {}
+            self._ws_closed = closed
+        return closed
+
+    def _ws(self, owner: str | None = None) -> WeightSender:
+        """The endpoint of coordinator ``owner``'s session on this party, made on first use;
+        None: the session set up last (what a hook installed from inside the actor means)."""
+        senders = self._senders()
+        if owner is None:
+            owner = next(reversed(senders), "")  # set up last: see ws_manifest
+        sender = senders.get(owner)
         if sender is None:
             model = self.weightsync_model()
             kind = ShardedSender if has_dtensors(model) else WeightSender
@@ -53,20 +82,29 @@ class TrainerMixin:
                 device=self.weightsync_device(),
                 wire_dtype=getattr(self, "wire_dtype", None),
             )
-            self._ws_sender = sender
+            sender.owner = owner
+            if isinstance(sender, ShardedSender):
+                sender.known_owners = lambda: tuple(self._senders())
+            senders[owner] = sender
         return sender
 
-    def _me(self) -> str:
-        sender = getattr(self, "_ws_sender", None)
+    def _me(self, owner: str = "") -> str:
+        senders = self._senders()
+        sender = senders.get(owner) or next(iter(senders.values()), None)
         return sender.name if sender is not None else TRAINER_PARTY
 
-    def ws_describe(self) -> Outcome:
+    def weightsync_sessions(self) -> dict[str, tuple[str, ...]]:
+        """Per coordinator with a session on this party (its ``WeightSync.label``), the
+        transports open in it now; a closed WeightSync's session is gone."""
+        return {owner: tuple(sorted(sender.halves)) for owner, sender in self._senders().items()}
+
+    def ws_describe(self, owner: str = "") -> Outcome:
         def run() -> EndpointInfo:
             info = describe(self.weightsync_device(), True)
-            sender = self._ws()
+            sender = self._ws(owner)
             return replace(info, shards=sender.shards()) if isinstance(sender, ShardedSender) else info
 
-        return answer(self._me(), "describe", run)
+        return answer(self._me(owner), "describe", run)
 
     def ws_manifest(
         self,
@@ -76,14 +114,16 @@ class TrainerMixin:
         hints: BufferHints | None = None,
         owner: str = "",
     ) -> Outcome:
-        """The manifest of the model as it is now, which starts this party's Session;
-        ``party``/``ranks``: this rank's name and every rank's, in rank order (a sharded
-        trainer checks it was given its mesh's order); ``hints``: what
-        ``buffer_bytes="auto"`` is sized from; ``owner``: the coordinator's label. With
+        """The manifest of the model as it is now, which starts coordinator ``owner``'s
+        Session on this party (closing only that coordinator's last one); ``party``/``ranks``:
+        this rank's name and every rank's, in rank order (a sharded trainer checks it was
+        given its mesh's order); ``hints``: what ``buffer_bytes="auto"`` is sized from. With
         ``settings.lora`` the manifest is the PEFT model's adapter (:mod:`weightsync.core.lora`)."""
 
         def build() -> Manifest:
-            sender = self._ws()
+            sender = self._ws(owner)
+            senders = self._senders()
+            senders[owner] = senders.pop(owner)  # the session set up last goes last
             if isinstance(sender, ShardedSender):
                 sender.bind(party, ranks)
             sender.name = party
@@ -92,39 +132,78 @@ class TrainerMixin:
 
         return answer(party, "manifest", build)
 
-    def ws_layout(self, party: str = TRAINER_PARTY) -> Outcome:
+    def ws_layout(self, party: str = TRAINER_PARTY, owner: str = "") -> Outcome:
         """Whether this rank's model is sharded (DTensors) and over which mesh: the ranks of one
         trainer must agree (a plain rank among sharded ones would never join their gathers)."""
 
         def layout() -> SourceLayout:
-            sender = self._ws()
+            sender = self._ws(owner)
             return sender.layout() if isinstance(sender, ShardedSender) else SourceLayout(sharded=False)
 
         return answer(party, "layout", layout)
 
-    def ws_open(self, plugin: Plugin, action: str, *args: Any) -> Outcome:
+    def ws_open(self, plugin: Plugin, action: str, *args: Any, owner: str = "") -> Outcome:
         """One step of ``plugin``'s setup on this party: its trainer action ``action``."""
         return answer(
-            self._me(), f"{plugin.name} {action}", lambda: plugin.action("trainer", action)(self._ws(), *args)
+            self._me(owner),
+            f"{plugin.name} {action}",
+            lambda: plugin.action("trainer", action)(self._ws(owner), *args),
         )
 
     def ws_send(self, call: SyncCall) -> Outcome:
-        """The trainer's side of one sync; each worker's receive runs alongside it."""
-        return answer(self._me(), "send", self._ws().send, call)
+        """The trainer's side of one sync (in the session of ``call.owner``); each worker's
+        receive runs alongside it."""
+        return answer(self._me(call.owner), "send", lambda: self._ws(call.owner).send(call))
 
-    def ws_checksums(self) -> Outcome:
-        return answer(self._me(), "checksums", self._ws().checksums)
+    def ws_checksums(self, owner: str = "") -> Outcome:
+        return answer(self._me(owner), "checksums", lambda: self._ws(owner).checksums())
 
     # push mode ----------------------------------------------------------------------------
     def ws_push(self, call: SyncCall, owner: str = "") -> Outcome:
-        """Push mode: one sync of the listening workers (``WeightSync.sync`` calls this;
-        ``owner``: its label, to tell it when another coordinator took the trainer over)."""
-        return answer(self._me(), "push", self._ws_push, call, owner)
+        """Push mode: one sync of the listening workers of coordinator ``owner``'s session
+        (``WeightSync.sync`` calls this)."""
+        owner = call.owner or owner
+        return answer(self._me(owner), "push", lambda: self._push(self._ws(owner), call, owner))
 
-    def _ws_push(self, call: SyncCall, owner: str = "") -> PushResult:
-        return registry.mode("push").sync(self._ws(), call, owner)
+    @staticmethod
+    def _push(sender: WeightSender, call: SyncCall, owner: str = "") -> PushResult:
+        return registry.mode("push").sync(sender, call, owner)
 
-    def weightsync_push(self, version: int, verify: bool = False, force: bool = False) -> PushResult:
+    def _push_sender(self, sync: str | None) -> WeightSender:
+        """The session a push from inside this actor runs in: the one of WeightSync ``sync``
+        (its label), or else the only one in push mode."""
+        senders = self._senders()
+        if sync is not None:
+            found = senders.get(sync)
+            if found is not None:
+                return found
+            closed = self._closed().get(sync)
+            raise SettingsError(
+                f"{self._me()}: the session of {sync} on this trainer was closed ({closed}); set it up again from "
+                "the driver before pushing"
+                if closed
+                else f"{self._me()}: no session of a WeightSync labelled {sync!r} on this trainer (open: "
+                f"{', '.join(repr(k) for k in sorted(senders)) or 'none'}); pass WeightSync.label"
+            )
+        pushing = [s for s in senders.values() if _pushes(s)]
+        if len(pushing) > 1:
+            raise SettingsError(
+                f"{self._me()}: {len(pushing)} WeightSyncs have push sessions on this trainer "
+                f"({', '.join(sorted(repr(s.owner) for s in pushing))}); say which: "
+                "weightsync_push(version, sync=ws.label)"
+            )
+        if pushing:
+            return pushing[0]
+        if len(senders) == 1:
+            return next(iter(senders.values()))  # its mode says why it cannot push
+        raise SettingsError(
+            f"{self._me()}: no push-mode session is open on this trainer: set one up with "
+            "WeightSync(..., push=True).setup() from the driver first"
+        )
+
+    def weightsync_push(
+        self, version: int, verify: bool = False, force: bool = False, sync: str | None = None
+    ) -> PushResult:
         """Sync ``version`` to every listening worker from inside this actor's own method.
 
         For a loop that trains and pushes in one call (no Ray call for the sync at all)::
@@ -133,14 +212,18 @@ class TrainerMixin:
                 ...optimizer.step()...
                 return self.weightsync_push(version=step)
 
+        ``sync``: the label (``WeightSync.label``) of the WeightSync whose workers to push to,
+        needed only when several WeightSyncs set this trainer up in push mode.
+
         Raises :class:`~weightsync.core.wire.errors.SyncError` naming the culprits when any
         worker failed (``WeightSync.sync()`` or ``setup()`` from the driver sets up again,
         without the workers found dead), or naming the workers whose tensors moved since
         their export, which were not written (a reload replaced them): ``WeightSync.sync()``
         from the driver exports them again.
         """
-        me = self._me()
-        result = self._ws_push(SyncCall(seq=0, version=version, verify=verify, force=force))
+        sender = self._push_sender(sync)
+        me = sender.name
+        result = self._push(sender, SyncCall(seq=0, version=version, verify=verify, force=force, owner=sender.owner))
         if result.setup_needed:
             raise WeightSyncError(f"{me}: an earlier push failed: run WeightSync.setup() before pushing again")
         outcomes = {me: result.sent, **{n: a.outcome for n, a in result.workers.items()}}
@@ -169,12 +252,31 @@ class TrainerMixin:
             )
         return result
 
-    def ws_teardown(self, abort: bool = False, by: str = "") -> Outcome:
-        """Close this party's transports; ``by``: the coordinator's label and why."""
+    def ws_teardown(self, abort: bool = False, by: str = "", owner: str = "", forget: bool = False) -> Outcome:
+        """Close coordinator ``owner``'s transports on this party (no other coordinator's);
+        ``by``: the coordinator's label and why; ``forget`` (its ``close()``): drop that
+        session altogether, remembering only who closed it."""
 
         def teardown() -> None:
-            sender = getattr(self, "_ws_sender", None)
-            if sender is not None:
+            senders = self._senders()
+            sender = senders.get(owner)
+            if sender is None:
+                return
+            try:
                 sender.close_transports(abort, by)
+            finally:
+                if forget:
+                    del senders[owner]
+                    closed = self._closed()
+                    closed.pop(owner, None)
+                    closed[owner] = sender.closed_by or by or "close()"
+                    while len(closed) > _CLOSED_KEPT:
+                        del closed[next(iter(closed))]
 
-        return answer(self._me(), "teardown", teardown)
+        return answer(self._me(owner), "teardown", teardown)
+
+
+def _pushes(sender: WeightSender) -> bool:
+    """Whether ``sender``'s session is set up in push mode."""
+    armed = registry.mode("push").armed
+    return armed is not None and armed(sender)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.ownership import foreign
 from weightsync.core.plugin import Plugin
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import ModuleSink, Sink
@@ -76,16 +77,22 @@ class WorkerMixin:
         return answer(self._me(), "describe", where)
 
     def ws_accept(
-        self, manifest: Manifest, name: str, server: str = TRAINER_PARTY, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        manifest: Manifest,
+        name: str,
+        server: str = TRAINER_PARTY,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        owner: str = "",
     ) -> Outcome:
         """Check the trainer's manifest and start this worker's Session as ``name``, fed by
-        ``server`` (the trainer party named when it fails); the outcome's value is the
-        tensors its sink casts on load (a tuple of ``TensorCast``)."""
+        ``server`` (the trainer party named when it fails), for coordinator ``owner`` (which
+        takes this worker over from any other); the outcome's value is the tensors its sink
+        casts on load (a tuple of ``TensorCast``)."""
 
         def accept() -> tuple[TensorCast, ...]:
             receiver = self._wr()
             receiver.name = name
-            return receiver.accept(manifest, server, timeout_s)
+            return receiver.accept(manifest, server, timeout_s, owner)
 
         return answer(name, "accept", accept)
 
@@ -122,8 +129,8 @@ class WorkerMixin:
         soon as all answered."""
         return answer(self._me(), "commit", self._wr().commit, call, received, reference, *sent)
 
-    def ws_settle(self) -> Outcome:
-        return answer(self._me(), "settle", self._wr().settle)
+    def ws_settle(self, owner: str = "") -> Outcome:
+        return answer(self._me(), "settle", self._wr().settle, owner)
 
     def ws_checksums(self) -> Outcome:
         return answer(self._me(), "checksums", self._wr().checksums)
@@ -131,10 +138,13 @@ class WorkerMixin:
     def ws_status(self) -> tuple[int | None, str]:
         return self._wr().status()
 
-    def ws_teardown(self, abort: bool = False) -> Outcome:
+    def ws_teardown(self, abort: bool = False, owner: str = "") -> Outcome:
+        """Close this worker's transports, unless another coordinator than ``owner`` set it up
+        since (that one's session stays)."""
+
         def teardown() -> None:
             receiver = getattr(self, "_ws_receiver", None)
-            if receiver is not None:
+            if receiver is not None and not foreign(receiver.owner, owner):
                 receiver.close_transports(abort)
 
         return answer(self._me(), "teardown", teardown)

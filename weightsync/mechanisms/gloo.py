@@ -17,6 +17,11 @@ waits for the group's own pending operations: a rank that aborts while it still 
 receive from a live peer would keep its sockets open, and that peer waiting, until gloo's
 timeout. So :meth:`GlooCommunicator.abort` also writes an abort word into the group's
 store, every wait polls it, and the group is released on a background thread.
+
+The store lives in rank 0's process: when rank 0 dies (SIGKILL, OOM) nobody can write the
+abort word, and a rank waiting on another live rank (gloo relays a large broadcast through
+the ranks) would not see rank 0 go. A store that stops answering therefore means rank 0
+is gone, and every wait fails at once naming it.
 """
 
 from __future__ import annotations
@@ -68,15 +73,15 @@ def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.
 
 
 class _GlooWork:
-    def __init__(self, work: dist.Work, rank: int, timeout_s: float, aborted: Callable[[], int | None]) -> None:
+    def __init__(self, work: dist.Work, rank: int, timeout_s: float, aborted: Callable[[], str | None]) -> None:
         self._work = work
         self._rank = rank
         self._timeout_s = timeout_s
         self._aborted = aborted
 
     def wait(self, deadline: float) -> None:
-        """Poll until the operation completed, a peer wrote the abort word (looked at every
-        10 ms), or ``deadline``. Polling, not a wait with a timeout: a gloo work's timed wait
+        """Poll until the operation completed, a peer wrote the abort word or the store's host
+        is gone (looked at every 10 ms), or ``deadline``. Polling, not a wait with a timeout: a gloo work's timed wait
         is not safe to give up on and repeat."""
         spins = 0
         delay = 10e-6
@@ -93,11 +98,9 @@ class _GlooWork:
                 )
             if now >= next_check:
                 next_check = now + _SLICE_S
-                who = self._aborted()
-                if who is not None:
-                    raise TransferError(
-                        f"rank {self._rank}: rank {who} of the gloo group failed and aborted it; stopped waiting"
-                    )
+                why = self._aborted()
+                if why is not None:
+                    raise TransferError(f"rank {self._rank}: {why}; stopped waiting")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
         try:
@@ -168,18 +171,20 @@ class GlooCommunicator:
             raise WeightSyncError(f"rank {self.rank}: the gloo group was closed or aborted; run setup() again")
         return self._pg
 
-    def aborted_by(self) -> int | None:
-        """The rank that wrote this group's abort word, as last seen, or None (also when the
-        store is gone: its host, rank 0, is then dead, which fails every operation with it
-        anyway). Never blocks: the store is asked on a thread of its own, one question at a
-        time, so a store whose host is frozen cannot hold a wait past its deadline."""
-        if self._aborted_by is not None or self._store_gone:
-            return self._aborted_by
+    def stopped_by(self) -> str | None:
+        """Why this group's operations should stop, as last seen: a rank wrote the abort
+        word, or the store stopped answering (its host, rank 0, is gone); None while neither.
+        Never blocks: the store is asked on a thread of its own, one question at a time, so
+        a store whose host is frozen cannot hold a wait past its deadline."""
+        if self._aborted_by is not None:
+            return f"rank {self._aborted_by} of the gloo group failed and aborted it"
+        if self._store_gone:
+            return "rank 0 of the gloo group is gone (the group's store, which its process hosts, stopped answering)"
         probe = self._probe
         if probe is None or not probe.is_alive():
             self._probe = threading.Thread(target=self._look, name=f"weightsync-gloo-probe-{self.rank}", daemon=True)
             self._probe.start()
-        return self._aborted_by
+        return None
 
     def _look(self) -> None:
         try:
@@ -190,7 +195,7 @@ class GlooCommunicator:
             self._store_gone = True
 
     def _work(self, work: dist.Work) -> _GlooWork:
-        return _GlooWork(work, self.rank, self._timeout_s, self.aborted_by)
+        return _GlooWork(work, self.rank, self._timeout_s, self.stopped_by)
 
     def agree(self, refuse: bool, deadline: float) -> list[int]:
         flags = torch.zeros(self.world_size, dtype=torch.int64)

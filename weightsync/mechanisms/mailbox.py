@@ -55,10 +55,20 @@ class Mailbox:
         return self.control.words[self.control.first + _HEADER_WORDS :].view(np.uint8)
 
     # the trainer's side -------------------------------------------------------------------
-    def post(self, call: SyncCall) -> None:
+    def post(self, call: SyncCall) -> int:
+        """Post ``call``; returns the call word it replaced (what :meth:`withdraw` restores)."""
+        replaced = self.control[CALL]
         self.control[VERSION] = call.version
         self.control[FLAGS] = int(call.verify) | int(call.force) << 1
         self.control[CALL] = call.seq + 1
+        return replaced
+
+    def withdraw(self, seq: int, replaced: int) -> None:
+        """Take back call ``seq`` (its worker could not be woken, and its trainer gave up on
+        it): the call word is ``replaced`` again, the call the listener answered last, so a
+        listener that looks later finds nothing new to run."""
+        if self.control[CALL] == seq + 1:
+            self.control[CALL] = replaced
 
     def answer(self) -> PushAnswer:
         length = self.control[LENGTH]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.core.sinks import TensorPaths
+from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire.adapter import AdapterConfig
 from weightsync.core.wire.errors import ManifestError, WeightSyncError
 

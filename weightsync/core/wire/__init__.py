@@ -19,6 +19,7 @@ from weightsync.core.wire.dtypes import ALLOWED_DTYPES, dtype_from_name, dtype_n
 from weightsync.core.wire.errors import (
     ChecksumMismatch,
     ClosedError,
+    ConcurrentSyncError,
     DeviceMismatch,
     ExportNotFound,
     ManifestError,
@@ -76,6 +77,7 @@ __all__ = [
     "CastCount",
     "ChecksumMismatch",
     "ClosedError",
+    "ConcurrentSyncError",
     "Chunk",
     "ChunkPiece",
     "CudaIpcHandle",

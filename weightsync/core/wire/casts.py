@@ -21,7 +21,9 @@ the two dtypes (:func:`loss`):
 
 Lossy casts are accepted too (the trainer chose the wire, the engine its dtype), and are
 listed in every :class:`~weightsync.core.wire.report.SyncReport` (``WorkerReport.casts``)
-and logged at setup.
+and logged at setup. What a range-losing cast actually did in a sync is counted too: a sink
+that casts counts, per tensor, the finite wire values its cast turned into ``inf``
+(:func:`overflows`; ``WorkerReport.overflows``, named in the summary).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def loss(wire: torch.dtype, held: torch.dtype) -> str | None:
     if h.eps > w.eps:
         return "precision"
     return None
+
+
+def overflows(tensor: torch.Tensor, held: torch.dtype) -> torch.Tensor:
+    """How many finite values of ``tensor`` a cast to ``held`` turns into ``inf`` (a 0-d
+    tensor where ``tensor`` lives: read it when the sync is done)."""
+    return torch.count_nonzero(torch.isinf(tensor.to(held)) & torch.isfinite(tensor))
 
 
 @dataclass(frozen=True, kw_only=True)

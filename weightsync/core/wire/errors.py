@@ -112,6 +112,13 @@ class ClosedError(WeightSyncError):
     """A WeightSync used after ``close()`` (its ``with`` block ended); ``setup()`` opens it again."""
 
 
+class ConcurrentSyncError(WeightSyncError):
+    """Two WeightSyncs asked one sharded trainer's ranks to sync (or verify) at the same
+    moment. Its ranks gather together on the trainer's own process group, one sync at a
+    time, so the later one is refused before any byte moved (or, when the ranks found
+    themselves in different WeightSyncs' syncs, both are): the group is left intact."""
+
+
 class TransferError(WeightSyncError):
     """A collective failed because a peer left the group or crashed."""
 

@@ -153,6 +153,10 @@ class SyncCall:
     #: transport cannot tell that the sender finished and every worker with ``verify``: a
     #: worker named here never commits in its receive.
     chained: tuple[str, ...] = ()
+    #: The label of the coordinator whose session this sync runs in (``WeightSync.label``):
+    #: a trainer party keeps one session per coordinator and picks it by this; a worker set
+    #: up by another coordinator since refuses it by name. "": the party's only session.
+    owner: str = ""
     #: Delta sessions: per worker, the token of the bytes the coordinator last heard it
     #: commit (workers holding none are left out). A trainer party sends a delta only to
     #: workers holding its base's token (a transport only when every peer it serves does).
@@ -164,6 +168,7 @@ class SyncCall:
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(isinstance(self.owner, str), f"a sync's owner must be a coordinator's label, got {self.owner!r}")
         _require(
             isinstance(self.delta_holds, tuple) and all(isinstance(w, str) and _is_int(t) for w, t in self.delta_holds),
             f"delta_holds must be a tuple of (worker name, token) pairs, got {self.delta_holds!r}",
@@ -239,6 +244,9 @@ class ReceiveResult:
     #: order, which that part's commit checks (its chunks against its own rank's); the
     #: fields above then describe the worker as a whole.
     parts: tuple[ReceiveResult, ...] = ()
+    #: Per tensor its sink cast to a narrower range on load (fp16 from fp32 or bf16), how
+    #: many values became ``inf`` in this sync; tensors without any are left out.
+    overflows: dict[str, int] = field(default_factory=dict)
     #: Delta sessions: True when this sync's bytes came as a delta, False when dense; None
     #: for a transport without delta headers (or a session without deltas).
     delta: bool | None = None

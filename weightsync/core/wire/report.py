@@ -71,6 +71,18 @@ class WorkerReport:
     #: The casts its sink makes on load, counted by (wire dtype, held dtype), each with what
     #: it loses ("range", "precision" or None); empty when it holds the wire's dtypes.
     casts: tuple[CastCount, ...] = ()
+    #: Per tensor cast to a narrower range on load, how many of its values became ``inf`` in
+    #: this sync (fp16 cannot hold the wire's value); tensors without any are left out.
+    overflows: dict[str, int] = field(default_factory=dict)
+
+    def overflow_line(self) -> str:
+        """``"<worker>: N value(s) in K tensor(s) (first <tensor>: n)"``, or "" without any."""
+        if not self.overflows:
+            return ""
+        first, count = next(iter(self.overflows.items()))
+        total = sum(self.overflows.values())
+        return f"{self.name}: {total} value(s) in {len(self.overflows)} tensor(s) (first {first}: {count})"
+
     #: How this worker's bytes came: "delta", "dense", or "" (a session without deltas,
     #: or a transport that carries none).
     encoding: str = ""
@@ -89,7 +101,8 @@ class SyncReport:
     took part (``inplace`` of its chunks are single tensors sent in place), else the packed
     plan ipc uses (direct writes the same bytes without packing them). ``verified`` is True
     only when a check of the bytes ran on every worker before it committed. Each
-    worker's ``casts`` counts the tensors it holds in another dtype than the wire's.
+    worker's ``casts`` counts the tensors it holds in another dtype than the wire's, and its
+    ``overflows`` the values such a cast turned into ``inf`` in this sync.
     """
 
     version: int
@@ -128,6 +141,7 @@ class SyncReport:
     def summary(self) -> str:
         kinds = ", ".join(f"{k}={v}" for k, v in sorted(self.transports.items()))
         lossy = [f"{w.name} {c.line()}" for w in self.workers for c in w.casts if c.loses]
+        overflowed = [line for w in self.workers if (line := w.overflow_line())]
         return (
             f"weightsync: version {self.version} -> {len(self.workers)} worker(s) [{kinds}]: "
             f"{f'{self.adapter} adapter, ' if self.adapter else ''}{self.bytes / 1e6:.1f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
@@ -135,6 +149,7 @@ class SyncReport:
             f"{self.chunks} chunk(s){f' ({self.inplace} in place)' if self.inplace else ''}"
             f"{', verified' if self.verified else ''}"
             f"{'; lossy casts on load: ' + '; '.join(lossy) if lossy else ''}"
+            f"{'; values that became inf on load: ' + '; '.join(overflowed) if overflowed else ''}"
             f"{self._held_off_text()}"
         )
 

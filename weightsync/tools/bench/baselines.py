@@ -61,7 +61,7 @@ def reference_case(
 
     def one() -> None:
         for chunk in manifest.chunks:
-            handle = bench.get(trainer.pack_chunk.remote(chunk.index, 0))
+            handle = bench.get(trainer.pack_chunk.remote(chunk.index, 0, ws.label))
             bench.get(worker.consume_chunk.remote(handle))
 
     bench.timed(

@@ -171,6 +171,7 @@ class Bench:
         """The raw limit, one copy of one buffer of the model's bytes: what the colocated
         cases are measured against."""
         built = self.get(trainer.ws_manifest.remote(SyncSettings(buffer_bytes=self.args.buffer_mib[0] * MIB)))
+        self.get(trainer.ws_teardown.remote(forget=True))  # that session was only for the manifest
         if not built.ok:
             raise WeightSyncError(f"the bench's trainer could not build its manifest: {built.line()}")
         manifest = built.value

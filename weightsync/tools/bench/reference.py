@@ -20,8 +20,9 @@ from weightsync.tools.bench.chunks import ChunkHandle, SlotPacker, SlotReader, c
 
 
 class ChunkTrainer(TrainerHost):
-    def pack_chunk(self, chunk_index: int, slot: int) -> ChunkHandle:
-        sender = self._ws()
+    def pack_chunk(self, chunk_index: int, slot: int, sync: str) -> ChunkHandle:
+        """Pack one chunk into the ipc slots of WeightSync ``sync``'s session (its label)."""
+        sender = self._ws(sync)
         ipc = sender.half("ipc")
         if not isinstance(ipc, SlotPacker):
             raise WeightSyncError("trainer: no IPC export is open; set up an ipc WeightSync first")

@@ -70,9 +70,11 @@ class DirectWriter(TornDown, SendHalf):
                 f"{self.name}: set up as writer {writer} of {list(self.writers)}, which is not this party"
             )
         self.writer = writer
-        #: Called with each worker's name before this party writes into it (progress hooks,
-        #: fault injection in tests).
+        #: Called with each worker's name before this party writes into it, and with its
+        #: name and each tensor's index before that tensor is copied tensor by tensor
+        #: (progress hooks, fault injection in tests).
         self.on_write: Callable[[str], None] | None = None
+        self.on_copy: Callable[[str, int], None] | None = None
         self.importers: dict[str, RegionImporter] = {}
         self._mapped: dict[str, _Mapped] = {}
         self._streams = SlotStreams(device, 1)
@@ -266,15 +268,42 @@ class DirectWriter(TornDown, SendHalf):
             return False
         with torch.no_grad():  # sources may be parameters that require grad
             if copier is not None and plan is not None:
+                self._still_wanted(worker, mapped, 0, seq)  # one launch copies every tensor
                 copier.run(plan, mapped.destinations, tensors, self._streams.stream(0))
             else:
                 with self._streams.use(0):
-                    for destination, source in zip(mapped.destinations, tensors):
+                    for index, (destination, source) in enumerate(zip(mapped.destinations, tensors)):
                         if destination is not None:
+                            self._still_wanted(worker, mapped, index, seq)
                             destination.copy_(source)
         self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out", own=True)
         self._publish(mapped.control, seq, checksums)
         return True
+
+    def abandon(self, worker: str, seq: int) -> None:
+        """Give up on ``worker`` in sync ``seq`` before writing anything into it (push mode:
+        it could not be woken): its abort words say so, so a receive of that sync that
+        starts late fails at once, before its first byte, and leaves the weights alone."""
+        mapped = self._mapped.get(worker)
+        if mapped is not None:
+            mapped.control.epoch = seq + 1
+            mapped.control.abort(self.writer + 1)
+
+    def _still_wanted(self, worker: str, mapped: _Mapped, index: int, seq: int) -> None:
+        """Before each tensor copied on its own: stop, writing nothing more, once anyone gave
+        up on this sync (the worker's wait ran out: a writer frozen mid-copy and thawed
+        after that must not go on writing into weights the worker may serve again)."""
+        if self.on_copy is not None:
+            self.on_copy(worker, index)
+        code = mapped.control.aborted_by
+        if code:
+            names = [*self.writers, worker]
+            who = names[code - 1] if 0 < code <= len(names) else worker
+            raise PeerAborted(
+                f"{self.name}: {who} gave up on sync {seq} while this side was writing {worker} (tensor {index} of "
+                f"{len(mapped.destinations)}); nothing more was written",
+                blames=[who],
+            )
 
     def abort(self) -> None:
         for mapped in self._mapped.values():
@@ -320,6 +349,7 @@ class _StreamedWrite:
             for mapped in self.ready:
                 destination = mapped.destinations[index]
                 if destination is not None:
+                    self.writer._still_wanted(mapped.export.worker, mapped, index, self.call.seq)
                     destination.copy_(tensor)
         if tensor.is_cuda:
             stream = torch.cuda.current_stream(tensor.device)

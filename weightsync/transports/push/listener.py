@@ -101,14 +101,24 @@ class Listener:
                     if self._stop.is_set():
                         raise WeightSyncError(f"{self.name}: its listener was stopped before sync {call.seq}")
                     result = self._receive(call)
-                    # The trainer compared checksums itself; the answer stays small.
-                    outcome = ok(self.name, "receive", replace(result, checksums=[]))
+                    # The trainer compared checksums itself, and the worker checked what it
+                    # holds: the answer stays small.
+                    outcome = ok(self.name, "receive", replace(result, checksums=[], held=None))
                 except BaseException as exc:  # noqa: BLE001 - the failure travels to the trainer as data
                     outcome = failed(self.name, "receive", exc)
                 version, state = self._status()
         finally:
             self.busy = False
-        self.mailbox.reply(call.seq, PushAnswer(outcome=outcome, version=version, state=state), _shortened)
+        answer = PushAnswer(outcome=outcome, version=version, state=state)
+        try:
+            self.mailbox.reply(call.seq, answer, _shortened)
+        except WeightSyncError as exc:  # even cut, it did not fit: answer that, and serve on
+            why = WeightSyncError(f"{self.name}: its answer to sync {call.seq} did not fit its mailbox ({exc})")
+            self.mailbox.reply(
+                call.seq,
+                PushAnswer(outcome=failed(self.name, "receive", why), version=version, state=state),
+                _shortened,
+            )
 
     def stop(self) -> None:
         """Ask the thread to end; it answers a sync in flight first. Never blocks: the ring
@@ -137,14 +147,34 @@ class Listener:
         return True
 
 
+#: The most names, and characters of each, an answer cut to fit the mailbox keeps.
+_NAMES_KEPT, _NAME_CHARS, _MESSAGE_CHARS = 20, 200, 4000
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def _few(names: tuple[str, ...]) -> tuple[str, ...]:
+    kept = tuple(_cut(n, _NAME_CHARS) for n in names[:_NAMES_KEPT])
+    return kept + ((f"... and {len(names) - _NAMES_KEPT} more",) if len(names) > _NAMES_KEPT else ())
+
+
 def _shortened(answer: PushAnswer) -> PushAnswer:
-    """``answer`` made to fit the mailbox: a long list of moved tensors or a long error
-    message keeps its head and says how much was left out."""
+    """``answer`` made to fit the mailbox, whatever it holds: every list of tensor names
+    keeps its head (each name cut: a name can be of any length) and says how much was left
+    out, and so does a long error message. A party's names (blames) are kept whole."""
     outcome = answer.outcome
-    if outcome.ok and outcome.value.stale:
-        moved = outcome.value.stale
-        head = (*moved[:20], f"... and {len(moved) - 20} more")
-        outcome = replace(outcome, value=replace(outcome.value, stale=head))
+    if outcome.ok:
+        value = outcome.value
+        overflows = dict(list(value.overflows.items())[:_NAMES_KEPT])
+        value = replace(
+            value,
+            stale=_few(value.stale),
+            overflows={_cut(n, _NAME_CHARS): c for n, c in overflows.items()},
+            parts=(),
+        )
+        outcome = replace(outcome, value=value)
     else:
-        outcome = replace(outcome, message=outcome.message[:4000] + " ... (cut to fit the mailbox)")
+        outcome = replace(outcome, message=_cut(outcome.message, _MESSAGE_CHARS))
     return replace(answer, outcome=outcome)

@@ -55,21 +55,15 @@ def _seal(side: WorkerSide) -> None:
         side.listener.seal()
 
 
-def pusher_of(side: TrainerSide, owner: str = "") -> Pusher:
+def pusher_of(side: TrainerSide) -> Pusher:
     """The trainer party's pusher; refuses, saying what happened and what to do, when push
-    mode is not set up. ``owner``: the label of the coordinator asking (none from inside
-    the trainer)."""
+    mode is not set up on this session (each coordinator's session on a trainer is its own,
+    so another coordinator's setup never takes this one's pusher)."""
     pusher = side.extras.get(_KEY)
     if isinstance(pusher, Pusher):
         return pusher
     me = getattr(side, "name", "trainer")
     current, closed_by = getattr(side, "owner", ""), getattr(side, "closed_by", "")
-    if owner and current and current != owner:
-        raise SettingsError(
-            f"{me}: this trainer's push session was torn down by another WeightSync ({current}), which set up "
-            "this trainer since: two WeightSyncs cannot share one trainer's push session; close the other one, "
-            "then this one's next sync sets up again"
-        )
     if closed_by:
         raise SettingsError(
             f"{me}: this trainer's push session was torn down by {closed_by}; run setup() (or sync()) on a "
@@ -82,15 +76,23 @@ def pusher_of(side: TrainerSide, owner: str = "") -> Pusher:
     )
 
 
+def armed(side: TrainerSide) -> bool:
+    """Whether push mode is set up on the trainer party ``side`` (its pusher attached)."""
+    return isinstance(side.extras.get(_KEY), Pusher)
+
+
 def push_sync(side: TrainerSide, call: SyncCall, owner: str = "") -> PushResult:
-    """One pushed sync from the trainer party ``side`` (see :class:`Pusher`)."""
-    return pusher_of(side, owner).push(side.send, call)
+    """One pushed sync from the trainer party ``side`` (see :class:`Pusher`); ``side`` is
+    ``owner``'s session already, picked by the trainer party."""
+    half = side.half(PUSH.over)
+    return pusher_of(side).push(side.send, call, getattr(half, "abandon", None))
 
 
 PUSH = Mode(
     name="push",
     over="direct",
     sync=push_sync,
+    armed=armed,
     open=open_push,
     trainer_actions={"arm": _arm},
     worker_actions={"listen": _listen, "seal": _seal},

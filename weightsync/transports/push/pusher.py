@@ -71,9 +71,17 @@ class Pusher:
             mailbox = Mailbox.attach(importer.map(export.mailbox), self.name, export.mailbox.path)
             self._boxes[export.worker] = _Box(export, mailbox, importer)
 
-    def push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
+    def push(
+        self,
+        send: Callable[[SyncCall], SendResult],
+        call: SyncCall,
+        abandon: Callable[[str, int], None] | None = None,
+    ) -> PushResult:
         """Run one sync of the listening workers ``call.to(kind)`` (all of them when none are
-        named; its seq is this pusher's); failures come back as data."""
+        named; its seq is this pusher's); failures come back as data. ``abandon(worker, seq)``
+        (the transport's) tells a worker's half that this side gives up on it in sync ``seq``
+        before writing anything: a listener that read a call withdrawn from its mailbox then
+        fails it at once, before touching the weights."""
         with self._lock:
             if self.closing:
                 raise SessionTornDown(
@@ -81,9 +89,11 @@ class Pusher:
                     "the push session was torn down (close(), a new setup, a failed sync or remove_worker()) "
                     "before this push started; run WeightSync.setup() from the driver"
                 )
-            return self._push(send, call)
+            return self._push(send, call, abandon)
 
-    def _push(self, send: Callable[[SyncCall], SendResult], call: SyncCall) -> PushResult:
+    def _push(
+        self, send: Callable[[SyncCall], SendResult], call: SyncCall, abandon: Callable[[str, int], None] | None
+    ) -> PushResult:
         start = time.perf_counter()
         deadline = self.deadlines.follower(time.monotonic())
         if self.broken:
@@ -103,12 +113,19 @@ class Pusher:
         for worker in targets:
             box = self._boxes[worker]
             if not box.mailbox.stopped:
-                box.mailbox.post(call)
+                replaced = box.mailbox.post(call)
                 try:
                     if ring(box.export.doorbell, box.export.doorbell_key, deadline, worker):
                         continue
                 except TransferTimeout as exc:
-                    answers[worker] = PushAnswer(outcome=failed(worker, "receive", exc), version=None, state="unknown")
+                    # Nobody woke it: the call is taken back, so its listener, once it runs
+                    # again, finds no sync to hold its weights for (this push gave up on it).
+                    box.mailbox.withdraw(call.seq, replaced)
+                    if abandon is not None:
+                        abandon(worker, call.seq)
+                    # Silent, as a frozen worker is: the coordinator asks it nothing more (a
+                    # settle or teardown would wait another deadline for it).
+                    answers[worker] = PushAnswer(outcome=_unwoken(worker, exc), version=None, state="unknown")
                     continue
             if not pid_alive(box.export.pid):
                 answers[worker] = PushAnswer(outcome=_lost(worker, Status.DEAD), version=None, state="unknown")
@@ -189,3 +206,8 @@ class Pusher:
 
 def _lost(worker: str, status: Status) -> Outcome:
     return Outcome(party=worker, phase="receive", status=status)
+
+
+def _unwoken(worker: str, exc: TransferTimeout) -> Outcome:
+    """``worker`` could not be woken by the deadline (its doorbell's queue stayed full)."""
+    return Outcome(party=worker, phase="receive", status=Status.TIMED_OUT, error=type(exc).__name__, message=str(exc))
