@@ -9,6 +9,7 @@ import functools
 from typing import Any
 
 import pytest
+import ray
 import torch
 from torch import nn
 
@@ -17,6 +18,7 @@ from tests.catalogue import Loading, arm, assert_workers_match, get, worker_of
 from tests.helpers import MixedModel, perturb
 from weightsync import TrainerActor
 from weightsync.core.sinks import module_tensors
+from weightsync.glue.actors import WorkerHost
 from weightsync.tools.models import PolicyConfig, build_policy, train_step
 
 SIZE = PolicyConfig(vocab=512, dim=64, layers=2, heads=4, ffn=128)
@@ -188,3 +190,42 @@ def test_a_staging_worker_in_a_delta_session_is_sent_dense_syncs_bit_exact(trans
         get(trainer.call.remote(nudge, 5))
         assert encodings(ws.sync(5)) == {"plain": "delta"}
         assert_workers_match(trainer, [plain])
+
+
+class _StagingSwitch(WorkerHost):
+    """A load_weights worker whose staging its owner turns on and off between syncs."""
+
+    def set_staged(self, staged: bool) -> None:
+        self.weightsync_sink.set_staged(staged)
+
+
+StagingSwitch: Any = ray.remote(_StagingSwitch)
+
+
+def test_a_worker_that_starts_or_stops_staging_between_delta_syncs_never_patches_a_stage(actors: Any) -> None:
+    """Staging turned on: the next delta is refused by that worker before any byte lands
+    (named), and its syncs are dense from then on; turned off: one dense sync refills its
+    copy of the wire bytes, then deltas again. Bit-exact throughout."""
+    trainer = actors.add(TrainerActor.options(num_cpus=0).remote(functools.partial(MixedModel, seed=0, big=600)))
+    worker = actors.add(
+        StagingSwitch.options(num_cpus=0).remote(functools.partial(Loading, seed=2, big=600), sink="load_weights")
+    )
+    with weightsync.WeightSync(trainer, {"w": worker}, transport="broadcast", delta=True, buffer_bytes=1024) as ws:
+        ws.sync(1)
+        get(trainer.call.remote(nudge, 2))
+        assert encodings(ws.sync(2)) == {"w": "delta"}
+        get(worker.set_staged.remote(True))
+        get(trainer.call.remote(nudge, 3))
+        with pytest.raises(weightsync.SyncError) as refused:
+            ws.sync(3)
+        assert "w" in refused.value.culprits and ws.status()["w"] == (2, "committed"), str(refused.value)
+        for version in (3, 4):
+            report = ws.sync(version)
+            assert encodings(report) == {"w": "dense"} and report.workers[0].stage is not None, report.summary()
+            assert_workers_match(trainer, [worker])
+            get(trainer.call.remote(nudge, version + 1))
+        get(worker.set_staged.remote(False))
+        assert encodings(ws.sync(5)) == {"w": "dense"}
+        get(trainer.call.remote(nudge, 6))
+        assert encodings(ws.sync(6)) == {"w": "delta"}
+        assert_workers_match(trainer, [worker])

@@ -332,6 +332,28 @@ def test_delta_syncs_each_rank_diffs_only_what_it_sends(pool: ActorPool, two: di
         ws.verify()
 
 
+def test_a_staging_worker_fed_by_owners_in_a_delta_session_lands_dense_syncs_in_its_stage(
+    pool: ActorPool, two: dict[str, Any]
+) -> None:
+    """Owner sends carry every rank's rows into a staging worker's stage, never into its
+    model before the swap; a stage holds no base, so its group's syncs are dense."""
+    ranks = two["ranks"]
+    workers = {
+        "staging": pool.add(
+            WorkerActor.options(num_cpus=0).remote(partial(fm.plain_lm, tied=True, **SHAPE), stage="auto")
+        ),
+        "plain": pool.add(WorkerActor.options(num_cpus=0).remote(partial(fm.plain_lm, tied=True, **SHAPE))),
+    }
+    with WeightSync(ranks, workers, transport="owners", buffer_bytes=BUFFER, delta=True, timeout_s=30) as ws:
+        for version in (1, 2, 3):
+            get([r.call.remote(fm.nudge_own, version) for r in ranks])
+            report = ws.sync(version, verify=version == 2)
+            assert {w.name: w.encoding for w in report.workers} == dict.fromkeys(workers, "dense"), report.summary()
+            staged = {w.name: w.stage for w in report.workers}
+            assert staged["staging"] is not None and staged["plain"] is None, staged
+            assert_synced(ranks, workers)
+
+
 def test_a_rank_frozen_while_sending_is_named_and_no_worker_takes_a_mixture(two: dict[str, Any]) -> None:
     ranks, workers = two["ranks"], {n: two["workers"][n] for n in ("o0", "o1")}
     pid = get(ranks[1].pid.remote())

@@ -63,7 +63,11 @@ def test_a_receive_while_a_staged_sync_waits_for_its_commit_is_refused_until_tha
         s.transfer("ws_receive", (SyncCall(seq=1, version=8),), {}, False)
     assert "vllm" in str(refused.value) and "version 8" in str(refused.value) and "version 7" in str(refused.value)
     assert lines.jobs == ["ws_receive"]  # the ranks never saw the second receive
-    s.forwarded("ws_settle")  # the coordinator settled the engine after a failure elsewhere
+    s.forwarded("ws_accept", {"owner": "WeightSync a"})
+    s.waiting = 7
+    s.forwarded("ws_settle", {"owner": "WeightSync b"})  # a coordinator that no longer holds the engine
+    assert s.waiting == 7
+    s.forwarded("ws_settle", {"owner": "WeightSync a"})  # its own, after a failure elsewhere
     assert s.waiting is None
 
 

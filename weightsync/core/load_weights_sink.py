@@ -85,6 +85,7 @@ class LoadWeightsSink:
         self.reload_all = reload_all
         #: Delta sessions: the wire bytes last handed over (None: not kept).
         self._copy: WireCopy | None = None
+        self._keep_base = False
         self._copies = copies_immediately
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._record = record_checksums
@@ -117,6 +118,8 @@ class LoadWeightsSink:
         self.staging.drop()
         self.staging = staging
         self.staged = staged
+        # Staging on or off between syncs: the wire copy follows (a stage keeps none).
+        self._copy = (self._copy or WireCopy()) if self._keep_base and not staged else None
         self.keeps_references = not self._copies
 
     def seal(self) -> None:
@@ -174,6 +177,7 @@ class LoadWeightsSink:
         """Keep a copy of the wire bytes handed over, to apply deltas to (a delta session; one
         already kept stays, with what the worker holds), or drop it. A staging sink keeps none:
         its worker takes dense syncs."""
+        self._keep_base = keep
         self._copy = (self._copy or WireCopy()) if keep and not self.staged else None
 
     def _wire_copy(self, what: str) -> WireCopy:

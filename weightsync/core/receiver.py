@@ -227,7 +227,8 @@ class WeightReceiver(TransportEnd):
 
     def _take(self, half: ReceiveHalf, call: SyncCall) -> tuple[list[int], tuple[str, ...]]:
         """The bytes of ``call`` into the sink (a delta's through its header's landing); a stage sealed."""
-        base = self.held_token if self.state is WorkerState.COMMITTED else None
+        # A stage is fresh every sync: nothing to apply a delta to, whatever was held before.
+        base = self.held_token if self.state is WorkerState.COMMITTED and not self._stages() else None
         landing = landing_for(self.sink, self.session.manifest, half, base, self.name)
         checksums, stale = half.receive(landing, call, self._begin)
         if isinstance(landing, DeltaReceiving) and landing.header is not None:

@@ -243,7 +243,7 @@ class _AsyncVLLMWorker(AsyncHolding, AsyncAdapterReport):
                     replies = self._replies(await self._rpc("weightsync_call", (payload,)), method)
                 finally:
                     self._routing.forwarded(method, every)
-                    self._stager.forwarded(method)
+                    self._stager.forwarded(method, kwargs)
                 value, state = answer(method, replies, every, self.name)
                 self._served.forwarded(method, args, value, state)
                 await self._after(state)

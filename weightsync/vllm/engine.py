@@ -252,7 +252,7 @@ class _VLLMWorker(Blocking):
                     replies = self._replies(self._rpc(target, args=(payload,)), method)
                 finally:
                     self._routing.forwarded(method, every)
-                    self._stager.forwarded(method)
+                    self._stager.forwarded(method, kwargs)
                 value, state = answer(method, replies, every, self.name)
                 self._served.forwarded(method, args, value, state)
                 self._after(state)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync import TensorSpec, WeightSyncError, WorkerState
+from weightsync.core.ownership import foreign
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import LoadWeightsSink, Sink
 from weightsync.core.wire.manifest import Manifest
@@ -144,6 +145,13 @@ class RankEndpoint(WorkerMixin):
         receiver.swap_later = self.staging is not None and self.weightsync_sink.staged
         return receiver
 
+    def _foreign(self, call: Call) -> bool:
+        """A settle or teardown from a coordinator that no longer holds this engine's session
+        (another took it over): it leaves the current one's staged receive alone."""
+        receiver = getattr(self, "_ws_receiver", None)
+        owner = str(call.kwargs.get("owner", ""))
+        return call.target in ("ws_settle", "ws_teardown") and receiver is not None and foreign(receiver.owner, owner)
+
     def set_staging(self, make: Callable[[], Staging]) -> None:
         """This rank's staging thread (``make`` connects it to the engine actor, once), then a
         fresh staging group of the TP ranks; every rank at once, on the model's thread."""
@@ -226,7 +234,7 @@ class RankEndpoint(WorkerMixin):
                     failed_reply(WeightSyncError(f"{self.name}: {call.target!r} is not a weightsync protocol method"))
                 )
             method = getattr(self, call.target)
-            if self.staging is not None and call.target in QUIETS:
+            if self.staging is not None and call.target in QUIETS and not self._foreign(call):
                 self.staging.quiet()  # a staged receive left running must not lose its transport
                 if call.target == "ws_accept":
                     self.staging.form_relay(self._tp_group())  # a new session: a fresh group

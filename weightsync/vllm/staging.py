@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.core.ownership import foreign
 from weightsync.core.wire.errors import SyncInFlight, WeightSyncError
 from weightsync.core.wire.messages import ReceiveResult
 from weightsync.core.wire.outcome import Outcome
@@ -74,6 +75,8 @@ class Stager:
         self.lines: EngineLines | None = None
         #: A staged sync's version, received and waiting for its commit (None: none).
         self.waiting: int | None = None
+        #: The coordinator whose setup this engine took last (``ws_accept``'s ``owner``).
+        self.owner = ""
         #: Tokens the engine generated so far (the actor counts them: :meth:`count`).
         self.tokens = 0
         self._started: tuple[float, int] | None = None  # the transfer's start, and tokens then
@@ -117,10 +120,16 @@ class Stager:
         starts afresh (the ranks make new lines when theirs are gone)."""
         self.close()
 
-    def forwarded(self, method: str) -> None:
+    def forwarded(self, method: str, kwargs: Mapping[str, Any]) -> None:
         """A coordinator call that went to the ranks the usual way: one that settles, tears
         down or sets up again ends a staged sync still waiting for its commit (the ranks
-        drop its stage themselves in that call)."""
+        drop its stage themselves in that call), unless it came from a coordinator another
+        one took this engine over from (``owner``: :mod:`weightsync.core.ownership`)."""
+        owner = str(kwargs.get("owner", ""))
+        if method == "ws_accept":
+            self.owner = owner
+        elif foreign(self.owner, owner):
+            return
         if method in ENDS_A_SYNC:
             self.waiting, self._started = None, None
 

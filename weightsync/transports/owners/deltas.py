@@ -115,19 +115,30 @@ def send_owned(half: OwnedSending, sources: Sources, call: SyncCall, deadline: f
 
 class OwnedRows:
     """A Landing over one rank's owned Manifest (see :func:`owned_manifest`): each piece is
-    rows of a worker tensor, its sink's own (:meth:`rows_target`), written, copied into or
-    patched in place; records which tensors changed."""
+    rows of a worker tensor, its sink's own (:meth:`rows_target`) or, for a sink that
+    stages, of its stage (``staged``: the sink's destinations this sync), written, copied
+    into or patched in place; records which tensors changed."""
 
     keeps_references = False
 
-    def __init__(self, sink: Any, manifest: Manifest, pieces: Sequence[Piece], device: torch.device) -> None:
+    def __init__(
+        self,
+        sink: Any,
+        manifest: Manifest,
+        pieces: Sequence[Piece],
+        device: torch.device,
+        staged: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         self.sink, self.manifest, self.pieces, self.device = sink, manifest, pieces, device
+        self.staged = staged
         self.touched: set[int] = set()
 
     def _rows(self, j: int) -> torch.Tensor:
         piece = self.pieces[j]
         spec = self.manifest.specs[piece.index]
-        target = self.sink.rows_target(piece.index, spec, self.device)
+        target = self.staged[piece.index] if self.staged is not None else None
+        if target is None:
+            target = self.sink.rows_target(piece.index, spec, self.device)
         return target if not spec.shape else target[piece.start : piece.stop]
 
     def destinations(self, manifest: Manifest) -> list[torch.Tensor | None]:
@@ -173,9 +184,12 @@ def receive_owned(half: OwnedReceiving, sink: DeltaReceiving, call: SyncCall, be
     took: list[bool] = []
     tokens: set[int] = set()
     touched: set[int] = set()
-    sink.sink.destinations(half.manifest)  # a module sink finds its tensors for rows_target
+    # A module sink finds its tensors for rows_target; a staging sink opens its stage, which
+    # every piece lands in (only dense syncs reach it: a stage holds no base).
+    views = sink.sink.destinations(half.manifest)
+    stages = bool(getattr(sink.sink, "staged", False))
     for r, group in enumerate(half.groups):
-        rows = OwnedRows(sink.sink, half.manifest, half.owned[r], group.comm.device)
+        rows = OwnedRows(sink.sink, half.manifest, half.owned[r], group.comm.device, views if stages else None)
         landing = DeltaReceiving(rows, group.manifest, sink.held_token, sink.who)
         assert isinstance(group, OwnedGroupReceiver)
         got, _ = group.receive(landing, call, begin_once)
@@ -191,6 +205,6 @@ def receive_owned(half: OwnedReceiving, sink: DeltaReceiving, call: SyncCall, be
         )
     sink.header = SyncHeader(Mode.DELTA if all(took) else Mode.DENSE, sink.held_token or 0, tokens.pop())
     hand = getattr(sink.sink, "hand_rows", None)
-    if callable(hand):
+    if callable(hand) and not stages:  # a stage lands at the commit
         hand(half.manifest, sorted(touched))
     return checksums
