@@ -189,7 +189,10 @@ def test_creation_fails_within_its_deadline_naming_the_ranks_that_never_joined()
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
-def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) -> None:
+@pytest.mark.parametrize("size_header", [False, True])
+def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int, size_header: bool) -> None:
+    """vLLM's wire by default (the chunks alone); with ``size_header`` on both sides each
+    chunk follows its size header and one more ends the stream."""
     import warnings
 
     from weightsync import packed_tensor as pt
@@ -216,21 +219,26 @@ def test_packed_broadcast_on_cuda_tensors_over_a_world_of_one(num_buffers: int) 
         def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
             chunk = recorded[self.index]
             self.index += 1
-            assert tensor.numel() == chunk.numel() and tensor.device == device
-            tensor.copy_(chunk)
+            # Same bytes, maybe typed differently (a size header goes out as int64 words).
+            assert tensor.numel() * tensor.element_size() == chunk.numel() * chunk.element_size()
+            assert tensor.device == device
+            tensor.view(torch.uint8).copy_(chunk.view(torch.uint8))
             nccl.broadcast(tensor, src=src)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        pt.packed_nccl_broadcast_producer(iter_model(3, "cuda"), Recording(), 0, post_iter, BUFFER, num_buffers)
+        pt.packed_nccl_broadcast_producer(
+            iter_model(3, "cuda"), Recording(), 0, post_iter, BUFFER, num_buffers, size_header=size_header
+        )
     wire = sent(3)
     chunks = expected_chunks([t.numel() * t.element_size() for _, t in wire], BUFFER)
-    # Each chunk follows its size header; one more header ends the stream.
-    headers, data = recorded[0::2], recorded[1::2]
-    assert len(headers) == len(chunks) + 1
+    headers, data = (recorded[0::2], recorded[1::2]) if size_header else ([], recorded)
+    assert len(headers) == (len(chunks) + 1 if size_header else 0)
     assert [c.numel() for c in data] == [sum(wire[i][1].numel() * wire[i][1].element_size() for i in c) for c in chunks]
     collector = Collector()
-    pt.packed_nccl_broadcast_consumer(iter(metadata(3)), Feeding(), 0, collector, BUFFER, num_buffers, device)
+    pt.packed_nccl_broadcast_consumer(
+        iter(metadata(3)), Feeding(), 0, collector, BUFFER, num_buffers, device, size_header=size_header
+    )
     assert all(t.is_cuda for t in collector.tensors.values())
     assert mismatches(collector.tensors, wire) == []
     assert collector.chunks == [[wire[i][0] for i in c] for c in chunks]
