@@ -167,6 +167,16 @@ class _FakeAsyncLLM:
         self.calls.append("shutdown")
 
 
+@pytest.fixture
+def socket_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A folder of the test's own for the actor built here: the actor names its socket
+    folder in its process's environment, here the test process's, which a Ray cluster
+    started later in the session would hand to every engine actor."""
+    from weightsync.vllm.sockets import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path))
+
+
 def _async_worker(llm: _FakeAsyncLLM) -> Any:
     pytest.importorskip("vllm")
     from weightsync.vllm.async_engine import _AsyncVLLMWorker
@@ -176,7 +186,7 @@ def _async_worker(llm: _FakeAsyncLLM) -> Any:
     return worker
 
 
-def test_the_async_actor_tells_vllm_a_version_only_when_a_commit_changed_it() -> None:
+def test_the_async_actor_tells_vllm_a_version_only_when_a_commit_changed_it(socket_folder: None) -> None:
     llm = _FakeAsyncLLM(_answers((1, "committed"), (1, "committed"), (1, "committed"), (2, "committed")))
 
     async def drive() -> None:
@@ -191,7 +201,7 @@ def test_the_async_actor_tells_vllm_a_version_only_when_a_commit_changed_it() ->
     assert llm.versions == ["1", "2"]
 
 
-def test_the_async_actors_shutdown_waits_for_the_coordinator_call_in_progress() -> None:
+def test_the_async_actors_shutdown_waits_for_the_coordinator_call_in_progress(socket_folder: None) -> None:
     llm = _FakeAsyncLLM(_answers((1, "committed")))
 
     async def drive() -> None:
@@ -215,7 +225,7 @@ def test_the_async_actors_shutdown_waits_for_the_coordinator_call_in_progress() 
     assert llm.calls == ["pause", "rpc", "rpc done", "resume", "shutdown"]
 
 
-def test_an_unusable_async_engine_still_ends_and_records_an_open_hold() -> None:
+def test_an_unusable_async_engine_still_ends_and_records_an_open_hold(socket_folder: None) -> None:
     llm = _FakeAsyncLLM(_answers((None, "receiving")))
 
     async def drive() -> Any:
