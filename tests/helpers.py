@@ -1,16 +1,20 @@
-"""Test data and comparisons: random bits for every dtype, bit-for-bit equality."""
+"""Test data and comparisons: random bits for every dtype, bit-for-bit equality; one
+sync's two sides run at once in the test's process."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 
 from weightsync.core import registry
+from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import module_tensors
 from weightsync.core.wire import ALLOWED_DTYPES, Manifest, Session
+from weightsync.core.wire.messages import SyncCall
 
 
 def session_of(manifest: Manifest, party: str = "trainer", server: str = "trainer", timeout_s: float = 30.0) -> Session:
@@ -98,3 +102,25 @@ def bytes_state_of(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...], to
         name: (str(t.dtype), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone())
         for name, t in module_tensors(model)
     }
+
+
+def both_sides(sender: WeightSender, receiver: WeightReceiver, call: SyncCall) -> tuple[Any, Any]:
+    """One sync in this process, the receiver on a thread beside the sender (no commit);
+    each side's result, or the exception it raised, for the test to look at."""
+    got: list[Any] = []
+
+    def receive() -> None:
+        try:
+            got.append(receiver.receive(call))
+        except Exception as exc:  # the test looks at it
+            got.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    try:
+        sent: Any = sender.send(call)
+    except Exception as exc:  # the test looks at it
+        sent = exc
+    thread.join(60)
+    assert not thread.is_alive(), "the receiver hung"
+    return sent, got[0]

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import MixedModel, assert_bit_equal
-from tests.test_verify import ipc_sync
+from tests.helpers import MixedModel, assert_bit_equal, both_sides
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
@@ -53,7 +52,7 @@ def test_an_ipc_sync_with_a_huge_num_buffers_is_bit_exact() -> None:
     receiver.accept(manifest, timeout_s=20.0)
     open_local(registry.get("ipc"), sender, {"w": receiver})
     try:
-        _, got = ipc_sync(sender, receiver, SyncCall(seq=0, version=1))
+        _, got = both_sides(sender, receiver, SyncCall(seq=0, version=1))
         assert receiver.status() == (1, "committed"), got
         want = dict(module_tensors(trainer))
         for name, tensor in module_tensors(worker):

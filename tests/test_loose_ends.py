@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.catalogue import kill_and_wait
-from tests.helpers import MixedModel
+from tests.helpers import MixedModel, both_sides
 from tests.test_push import parties
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import SyncError, WeightSync
@@ -279,30 +279,13 @@ def test_an_abort_of_a_failed_sync_does_not_fail_the_next_one_in_the_session() -
     receiver.accept(manifest, timeout_s=20.0)
     open_local(registry.get("direct"), sender, {"w": receiver})
 
-    def both(call: SyncCall) -> tuple[Any, Any]:
-        got: list[Any] = []
-
-        def receive() -> None:
-            try:
-                got.append(receiver.receive(call))
-            except Exception as exc:  # the test looks at it
-                got.append(exc)
-
-        thread = threading.Thread(target=receive, daemon=True)
-        thread.start()
-        try:
-            sent: Any = sender.send(call)
-        except Exception as exc:  # the test looks at it
-            sent = exc
-        thread.join(60)
-        assert not thread.is_alive()
-        return sent, got[0]
-
     try:
-        assert not isinstance(both(SyncCall(seq=0, version=5))[1], Exception)
-        sent, got = both(SyncCall(seq=1, version=3))  # older than what it holds: refused, aborted
+        assert not isinstance(both_sides(sender, receiver, SyncCall(seq=0, version=5))[1], Exception)
+        sent, got = both_sides(
+            sender, receiver, SyncCall(seq=1, version=3)
+        )  # older than what it holds: refused, aborted
         assert type(got).__name__ == "VersionError" and type(sent).__name__ == "PeerAborted"
-        sent, got = both(SyncCall(seq=2, version=6))
+        sent, got = both_sides(sender, receiver, SyncCall(seq=2, version=6))
         assert not isinstance(sent, Exception) and not isinstance(got, Exception), (sent, got)
         assert receiver.status() == (6, "committed")
         from tests.helpers import assert_bit_equal

@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import MixedModel, assert_bit_equal, perturb, random_tensor
-from tests.test_verify import ipc_sync
+from tests.helpers import MixedModel, assert_bit_equal, both_sides, perturb, random_tensor
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
@@ -187,7 +186,7 @@ def test_ipc_with_planned_copies_is_bit_exact_across_syncs_when_tensors_move() -
                 worker.inner.big.data = worker.inner.big.data.clone()
                 worker.wide = nn.Parameter(torch.zeros(300, 16))  # a new tensor object under the same name
             call = SyncCall(seq=seq, version=seq + 1, verify=seq == 7)
-            sent, got = ipc_sync(sender, receiver, call)
+            sent, got = both_sides(sender, receiver, call)
             if call.verify:  # the worker's checksums of what it holds against the trainer's
                 receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
             assert receiver.status() == (seq + 1, "committed"), (sent, got)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import MixedModel, assert_bit_equal, perturb, state_of
-from tests.test_verify import SETTINGS, ipc_sync, open_ipc
+from tests.helpers import MixedModel, assert_bit_equal, both_sides, perturb, state_of
+from tests.test_verify import SETTINGS, open_ipc
 from weightsync import SettingsError, SyncInFlight, WeightReceiver, WeightSender
 from weightsync.core import registry
 from weightsync.core.local import open_local
@@ -41,7 +41,7 @@ def test_a_staged_ipc_sync_leaves_the_model_alone_until_its_swap_then_swaps_in_o
     sender, receiver = open_ipc(trainer, sink)
     try:
         call = SyncCall(seq=0, version=1, chained=("w",))
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         assert receiver.status() == (None, "receiving")
         assert_holds(worker, before)
         assert got.stage is not None and got.stage.where == ("device",) and got.stage.swap_s == 0
@@ -74,12 +74,12 @@ def test_a_staged_sync_refused_at_its_commit_never_touches_the_model() -> None:
     sender, receiver = open_ipc(trainer, ModuleSink(worker, stage="auto"))
     try:
         call = SyncCall(seq=0, version=1)
-        ipc_sync(sender, receiver, call)
+        both_sides(sender, receiver, call)
         assert receiver.status() == (1, "committed")
         held = state_of(worker)
         perturb(trainer, seed=7)
         call = SyncCall(seq=1, version=2, verify=True)
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         assert got.held == sent.tensor_checksums  # the stage holds what was sent
         wrong = ok("t", "send", dataclasses.replace(sent, tensor_checksums=[s + 1 for s in sent.tensor_checksums]))
         with pytest.raises(ChecksumMismatch):
@@ -87,34 +87,12 @@ def test_a_staged_sync_refused_at_its_commit_never_touches_the_model() -> None:
         assert receiver.status() == (1, "committed")
         assert_holds(worker, held)
         call = SyncCall(seq=2, version=2)
-        ipc_sync(sender, receiver, call)
+        both_sides(sender, receiver, call)
         assert receiver.status() == (2, "committed")
         assert_holds(worker, state_of(trainer))
     finally:
         receiver.close_transports()
         sender.close_transports()
-
-
-def broadcast_sync(sender: WeightSender, receiver: WeightReceiver, call: SyncCall) -> tuple[Any, Any]:
-    """One broadcast sync in this process, both sides at once, without the commit; each
-    side's result or exception."""
-    got: list[Any] = []
-
-    def receive() -> None:
-        try:
-            got.append(receiver.receive(call))
-        except Exception as exc:  # the test looks at it
-            got.append(exc)
-
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
-    try:
-        sent: Any = sender.send(call)
-    except Exception as exc:  # the test looks at it
-        sent = exc
-    thread.join(60)
-    assert not thread.is_alive(), "the receiver hung"
-    return sent, got[0]
 
 
 def test_a_second_broadcast_sync_before_the_first_commits_is_refused_by_name_never_mixed() -> None:
@@ -131,10 +109,10 @@ def test_a_second_broadcast_sync_before_the_first_commits_is_refused_by_name_nev
     try:
         first = state_of(trainer)
         call = SyncCall(seq=0, version=1)
-        sent, got = broadcast_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         assert got.state == "receiving"
         perturb(trainer, 9)
-        refused, second = broadcast_sync(sender, receiver, SyncCall(seq=1, version=2))
+        refused, second = both_sides(sender, receiver, SyncCall(seq=1, version=2))
         assert isinstance(second, SyncInFlight), second
         assert "bw" in str(second) and "version 2" in str(second) and "version 1" in str(second)
         assert isinstance(refused, PeerAborted) and "bw" in str(refused)
@@ -158,7 +136,7 @@ def test_the_stage_goes_where_it_is_asked_and_stays_only_when_kept() -> None:
         try:
             buffers = []
             for seq in range(2):
-                got = ipc_sync(sender, receiver, SyncCall(seq=seq, version=seq + 1))[1]
+                got = both_sides(sender, receiver, SyncCall(seq=seq, version=seq + 1))[1]
                 assert got.stage.where == (place,) and got.stage.kept is keep
                 assert sink.staging is not None
                 stage = sink.staging.stage
@@ -195,14 +173,14 @@ def test_an_engine_style_receiver_marks_a_staged_sync_ready_and_swaps_it_when_to
     sender, receiver = open_ipc(trainer, LoadWeightsSink(load, staged=True))
     receiver.swap_later = True
     try:
-        got = ipc_sync(sender, receiver, SyncCall(seq=0, version=1))[1]
+        got = both_sides(sender, receiver, SyncCall(seq=0, version=1))[1]
         assert (got.state, receiver.ready, loads) == ("receiving", 1, [])
         assert receiver.swap() > 0 and receiver.status() == (1, "committed") and len(loads) == 1
         for name, tensor in module_tensors(trainer):
             assert_bit_equal(loads[0][name], tensor, name)
         with pytest.raises(Exception, match="no staged sync"):
             receiver.swap()
-        ipc_sync(sender, receiver, SyncCall(seq=1, version=2))
+        both_sides(sender, receiver, SyncCall(seq=1, version=2))
         assert receiver.settle() == (1, "committed") and receiver.ready is None and len(loads) == 1
     finally:
         receiver.close_transports()
@@ -213,7 +191,7 @@ def test_a_new_setup_abandons_a_staged_sync_left_in_flight() -> None:
     trainer = MixedModel(seed=0)
     sender, receiver = open_ipc(trainer, ModuleSink(MixedModel(seed=1), stage="auto"))
     try:
-        ipc_sync(sender, receiver, SyncCall(seq=0, version=1, chained=("w",)))
+        both_sides(sender, receiver, SyncCall(seq=0, version=1, chained=("w",)))
         assert receiver.status() == (None, "receiving")
         receiver.accept(sender.current_manifest)
         assert receiver.status() == (None, "committed")
@@ -231,7 +209,7 @@ def test_a_sender_that_failed_leaves_a_staging_worker_at_its_version_untouched()
     sender, receiver = open_ipc(trainer, sink)
     try:
         call = SyncCall(seq=0, version=1, chained=("w",))
-        got = ipc_sync(sender, receiver, call)[1]
+        got = both_sides(sender, receiver, call)[1]
         with pytest.raises(PeerAborted, match="trainer"):
             receiver.commit(call, ok("w", "receive", got), None, failed("trainer", "send", RuntimeError("gone")))
         assert receiver.status() == (None, "committed")

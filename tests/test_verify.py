@@ -7,14 +7,13 @@ of threads; the sharded case runs over FSDP2 ranks in tests/test_sharded.py.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers import MixedModel, assert_bit_equal, perturb
+from tests.helpers import MixedModel, assert_bit_equal, both_sides, perturb
 from tests.test_inplace import run_group
 from weightsync import WeightReceiver, WeightSender
 from weightsync.core import registry
@@ -43,27 +42,6 @@ class ElsewhereSink(ModuleSink):
         return dests
 
 
-def ipc_sync(sender: WeightSender, receiver: WeightReceiver, call: SyncCall) -> tuple[Any, Any]:
-    """One ipc sync in this process, both sides at once; each side's result or exception."""
-    got: list[Any] = []
-
-    def receive() -> None:
-        try:
-            got.append(receiver.receive(call))
-        except Exception as exc:  # the test looks at it
-            got.append(exc)
-
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
-    try:
-        sent: Any = sender.send(call)
-    except WeightSyncError as exc:
-        sent = exc
-    thread.join(60)
-    assert not thread.is_alive(), "the receiver hung"
-    return sent, got[0]
-
-
 def open_ipc(trainer: nn.Module, sink: Any, name: str = "w") -> tuple[WeightSender, WeightReceiver]:
     sender = WeightSender(model=trainer)
     manifest = sender.manifest(SETTINGS)
@@ -80,7 +58,7 @@ def test_a_verified_ipc_sync_refuses_bytes_that_never_reached_the_weights() -> N
     sender, receiver = open_ipc(trainer, ElsewhereSink(worker, lost))
     try:
         call = SyncCall(seq=0, version=1, verify=True)
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         assert receiver.status() == (None, "receiving")  # with verify, no commit before the check
         with pytest.raises(ChecksumMismatch) as failure:
             receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
@@ -101,11 +79,11 @@ def test_a_verified_ipc_sync_commits_what_landed_and_a_plain_one_commits_at_once
     sender, receiver = open_ipc(trainer, ModuleSink(worker))
     try:
         plain = SyncCall(seq=0, version=1)
-        _, got = ipc_sync(sender, receiver, plain)
+        _, got = both_sides(sender, receiver, plain)
         assert got.held is None and receiver.status() == (1, "committed")
         perturb(trainer, seed=5)
         checked = SyncCall(seq=1, version=2, verify=True)
-        sent, got = ipc_sync(sender, receiver, checked)
+        sent, got = both_sides(sender, receiver, checked)
         assert got.held == sent.tensor_checksums and len(got.held) == len(sender.current_manifest.specs)
         receiver.commit(checked, ok("w", "receive", got), None, ok("trainer", "send", sent))
         assert receiver.status() == (2, "committed")
@@ -158,7 +136,7 @@ def test_verify_with_a_load_weights_sink_checks_the_bytes_it_was_handed() -> Non
     sender, receiver = open_ipc(trainer, LoadWeightsSink(load))
     try:
         call = SyncCall(seq=0, version=1, verify=True)
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         receiver.commit(call, ok("w", "receive", got), None, ok("trainer", "send", sent))
         assert receiver.status() == (1, "committed")
         for name, tensor in module_tensors(trainer):
@@ -169,7 +147,7 @@ def test_verify_with_a_load_weights_sink_checks_the_bytes_it_was_handed() -> Non
     # A sink that records nothing cannot be verified: refused before any byte, by name.
     sender, receiver = open_ipc(trainer, LoadWeightsSink(load, record_checksums=False), name="blind")
     try:
-        sent, got = ipc_sync(sender, receiver, SyncCall(seq=0, version=1, verify=True))
+        sent, got = both_sides(sender, receiver, SyncCall(seq=0, version=1, verify=True))
         assert isinstance(got, WeightSyncError) and "record_checksums" in str(got), got
         assert isinstance(sent, WeightSyncError) and "blind" in str(sent)  # told at once, by name
         assert receiver.status() == (None, "committed")
@@ -194,7 +172,7 @@ def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() ->
     sender, receiver = open_ipc(trainer, sink)
     try:
         call = SyncCall(seq=0, version=1, verify=True)
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         assert loads == [] and receiver.status() == (None, "receiving")  # received, nothing loaded yet
         with pytest.raises(WeightSyncError, match="staged"):
             sink.set_staged(False)  # not between a receive and its commit
@@ -206,7 +184,7 @@ def test_a_staging_sink_loads_only_a_committed_sync_and_a_refused_one_never() ->
         assert held == sent.tensor_checksums
         perturb(trainer, seed=5)
         call = SyncCall(seq=1, version=2, verify=True)
-        sent, got = ipc_sync(sender, receiver, call)
+        sent, got = both_sides(sender, receiver, call)
         wrong = [s + 1 for s in sent.tensor_checksums]  # a reference the bytes cannot match
         with pytest.raises(ChecksumMismatch):
             receiver.commit(call, ok("w", "receive", got), _sent("trainer", wrong), ok("trainer", "send", sent))
