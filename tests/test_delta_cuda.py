@@ -95,3 +95,50 @@ def test_a_payload_outside_its_tensor_is_refused_naming_it_on_the_gpu(engine: st
     with pytest.raises(ManifestError, match=r"layers\.7\.w"):
         apply_delta(dest, spec, Kind.INDICES, 2, payload)
         check_scatters()
+
+
+def test_one_sync_of_mixed_tensors_rebuilds_every_one_on_the_gpu(engine: str) -> None:
+    """A sync as the trainer encodes it: bf16, fp16, fp32 and int32 tensors of many sizes
+    (2-byte values after 4-byte ones among them) beside one the kernels do not take (odd
+    length), one left unchanged and one changed throughout; every INDICES payload of the
+    kernels comes out of one assembly launch."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [
+        ("emb", (3001, 64), torch.bfloat16),
+        ("norm", (64,), torch.bfloat16),
+        ("qkv", (192, 64), torch.float16),
+        ("head", (517, 33), torch.float32),
+        ("steps", (4096,), torch.int32),
+        ("out", (256, 64), torch.bfloat16),  # 2-byte values after 4-byte ones
+        ("odd", (1001,), torch.bfloat16),
+        ("frozen", (2048,), torch.bfloat16),
+        ("reset", (2048,), torch.float32),
+    ]
+    specs = [TensorSpec(name, shape, str(dtype).removeprefix("torch.")) for name, shape, dtype in shapes]
+    names = [s.name for s in specs]
+    model = [random_bits(dtype, s.numel, gen).view(s.shape) for s, (_, _, dtype) in zip(specs, shapes)]
+    base = [t.to(GPU) for t in model]
+    worker = [t.clone() for t in base]
+    differ = Differ()
+    kinds: set[Kind] = set()
+    for version in range(4):
+        for index, spec in enumerate(specs):
+            if spec.name == "reset":
+                model[index] = random_bits(model[index].dtype, spec.numel, gen).view(spec.shape)
+            elif spec.name != "frozen":
+                model[index] = mutate(model[index], 0.02 + 0.01 * version, gen)
+        diffs = differ.diff_all(specs, [t.to(GPU) for t in model], base)
+        for index, (spec, got) in enumerate(zip(specs, diffs)):
+            kinds.add(got.kind)
+            if got.kind is Kind.DENSE:
+                worker[index].copy_(base[index])
+            elif got.payload is not None:
+                assert got.payload.numel() == layout(spec, got.kind, got.count).nbytes, spec.name
+                apply_delta(worker[index], spec, got.kind, got.count, got.payload)
+        check_scatters()
+        for spec, held, want, mine in zip(specs, worker, model, base):
+            assert_bit_equal(held.cpu(), want, spec.name)
+            assert_bit_equal(mine.cpu(), want, spec.name)
+        assert diffs[names.index("frozen")].kind is Kind.UNCHANGED
+        assert diffs[names.index("reset")].kind is Kind.DENSE
+    assert Kind.INDICES in kinds

@@ -6,7 +6,8 @@ torch's ops take several passes to find the changed elements of a tensor (a comp
 base at once, and its changed elements (index, new bits) go to the outputs, each thread
 block reserving its run of slots with one atomic add. So the outputs come in blocks'
 order, not in index order: a payload made here is always INDICES, whose positions may come
-in any order (each index once). :func:`scatter` writes a payload's values into a tensor,
+in any order (each index once). :func:`assemble` copies every INDICES payload of a sync
+out of those outputs in one launch. :func:`scatter` writes a payload's values into a tensor,
 counting indices outside it into a device counter (read once per sync, not per tensor).
 
 For 2- and 4-byte elements (bf16, fp16, fp32, int16, int32), tensors of whole 64-bit words
@@ -29,6 +30,8 @@ THREADS = 256
 #: Words each thread of the encoder holds per tile (a block's tile: THREADS x PER words).
 PER = 8
 _INT32 = 2**31 - 1
+#: Changed elements each block of the payload assembly copies.
+ASSEMBLE_PER_BLOCK = THREADS * 16
 
 _SOURCE = r"""
 #define WS_T 256
@@ -47,19 +50,22 @@ __device__ __forceinline__ void ws_encode(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (long long t0 = (long long)blockIdx.x * tile; t0 < nwords; t0 += (long long)gridDim.x * tile) {
         unsigned long long a[WS_PER], x[WS_PER];
-        int n = 0;
+        // Every load of the tile is issued before the first store: the tile's words are
+        // in flight at once, whatever the compiler proves about the stores' addresses.
 #pragma unroll
         for (int i = 0; i < WS_PER; ++i) {
             const long long w = t0 + (long long)i * WS_T + threadIdx.x;
             a[i] = 0; x[i] = 0;
-            if (w < nwords) {
-                a[i] = nw[w];
-                x[i] = a[i] ^ bw[w];
-                if (x[i]) {
-                    bw[w] = a[i];
+            if (w < nwords) { a[i] = nw[w]; x[i] = bw[w]; }
+        }
+        int n = 0;
 #pragma unroll
-                    for (int l = 0; l < LANES; ++l) n += ((x[i] >> (l * BITS)) & MASK) != 0;
-                }
+        for (int i = 0; i < WS_PER; ++i) {
+            x[i] ^= a[i];
+            if (x[i]) {
+                bw[t0 + (long long)i * WS_T + threadIdx.x] = a[i];
+#pragma unroll
+                for (int l = 0; l < LANES; ++l) n += ((x[i] >> (l * BITS)) & MASK) != 0;
             }
         }
         int incl = n;
@@ -116,6 +122,36 @@ __device__ __forceinline__ void ws_scatter(
     }
 }
 
+// One sync's INDICES payloads from the encoder's outputs, one launch for all of them.
+// table rows (8 words): indices source, values source, count, payload address, values
+// offset in the payload, value bytes (2 or 4), first block of the row (ascending), unused.
+extern "C" __global__ void __launch_bounds__(WS_T) weightsync_delta_assemble(
+    const unsigned long long* __restrict__ table, int rows, long long per_block)
+{
+    const unsigned long long block = blockIdx.x;
+    int lo = 0, hi = rows - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (table[8 * mid + 6] <= block) lo = mid; else hi = mid - 1;
+    }
+    const unsigned long long* row = table + 8 * lo;
+    const int* src_idx = reinterpret_cast<const int*>(row[0]);
+    const long long count = (long long)row[2];
+    unsigned char* payload = reinterpret_cast<unsigned char*>(row[3]);
+    int* dst_idx = reinterpret_cast<int*>(payload);
+    const long long begin = (long long)(block - row[6]) * per_block;
+    const long long end = begin + per_block < count ? begin + per_block : count;
+    if (row[5] == 2) {
+        const unsigned short* src = reinterpret_cast<const unsigned short*>(row[1]);
+        unsigned short* dst = reinterpret_cast<unsigned short*>(payload + row[4]);
+        for (long long j = begin + threadIdx.x; j < end; j += WS_T) { dst_idx[j] = src_idx[j]; dst[j] = src[j]; }
+    } else {
+        const unsigned int* src = reinterpret_cast<const unsigned int*>(row[1]);
+        unsigned int* dst = reinterpret_cast<unsigned int*>(payload + row[4]);
+        for (long long j = begin + threadIdx.x; j < end; j += WS_T) { dst_idx[j] = src_idx[j]; dst[j] = src[j]; }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WS_T) weightsync_delta_encode16(
     const unsigned long long* nw, unsigned long long* bw, long long nwords, int* idx, unsigned short* val,
     long long cap, unsigned long long* counter)
@@ -151,6 +187,7 @@ class Kernels:
             2: module.get_function("weightsync_delta_scatter16"),
             4: module.get_function("weightsync_delta_scatter32"),
         }
+        self.assemble_fn = module.get_function("weightsync_delta_assemble")
         props = torch.cuda.get_device_properties(device)
         self.blocks = props.multi_processor_count * 8
         self._streams: dict[int, Any] = {}  # torch stream pointer -> CuPy's view of it
@@ -185,6 +222,17 @@ class Kernels:
             cupy.uint64(val.data_ptr()), cupy.int64(idx.numel()), cupy.uint64(counter.data_ptr()),
         )  # fmt: skip
         self._launch(self.encode_fn[itemsize], grid, args)
+
+    def assemble(self, table: torch.Tensor, blocks: int) -> None:
+        """Launch the copy of every row of ``table`` (uint64 words as int64 on this device,
+        8 per row: see the kernel) from the encoder's outputs into its payload; row ``r``
+        is worked on by the blocks from its word 6 on, :data:`ASSEMBLE_PER_BLOCK` elements each."""
+        import cupy
+
+        rows = table.numel() // 8
+        if rows:
+            args = (cupy.uint64(table.data_ptr()), cupy.int32(rows), cupy.int64(ASSEMBLE_PER_BLOCK))
+            self._launch(self.assemble_fn, (blocks,), args)
 
     def scatter(self, idx: torch.Tensor, val: torch.Tensor, dest: torch.Tensor, bad: torch.Tensor) -> None:
         """Launch ``dest[idx[j]] = val[j]`` (flat ``dest``), indices outside it counted into ``bad``."""

@@ -11,12 +11,15 @@ differ, and writes them into the base. Elements of 8 bytes or more are compared 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from weightsync.core.delta import cuda_kernels
-from weightsync.core.delta.encoding import Kind, best_kind, bits_of, index_dtype, layout
+from weightsync.core.delta.encoding import PAYLOAD_ALIGN, Kind, best_kind, bits_of, index_dtype, layout
 from weightsync.core.wire.manifest import TensorSpec
+from weightsync.core.wire.plan import align_up
 
 #: The GPU kernels' outputs of one sync hold the changes of at most this share of its
 #: elements (an index and the new bits each: at bf16 6 bytes, so about a fifth of the
@@ -33,14 +36,47 @@ class DeviceArena:
         elements = sum(s.numel for s in specs)
         self.cap = max(64, int(elements * ARENA_SHARE))
         self.idx = torch.empty(self.cap, dtype=torch.int32, device=device)
-        widest = max((s.torch_dtype.itemsize for s in specs if s.torch_dtype.itemsize in (2, 4)), default=2)
-        self.raw = torch.empty(self.cap * widest, dtype=torch.uint8, device=device)  # values of 2 or 4 bytes
+        # The new bits of each element size in their own buffer: slot j of a 4-byte tensor
+        # and slot j of a 2-byte one lie at different bytes of one buffer, so a 2-byte
+        # tensor's slots after a 4-byte tensor's would overwrite its values.
+        sizes = {s.torch_dtype.itemsize for s in specs} & {2, 4}
+        self.raw = {size: torch.empty(self.cap * size, dtype=torch.uint8, device=device) for size in sizes}
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.after = torch.zeros(len(specs), dtype=torch.int64, device=device)
         self._host: list[int] | None = None
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.raw.view(dtype)[: self.cap]
+        return self.raw[dtype.itemsize].view(dtype)[: self.cap]
+
+    def assemble(self, picked: Sequence[KernelDiff]) -> list[torch.Tensor]:
+        """The INDICES payloads of ``picked`` (each decided INDICES), views of one buffer
+        filled by one kernel launch: a sync of 194 tensors would otherwise spend a dozen
+        host-bound milliseconds on three small ops per tensor."""
+        if not picked:
+            return []
+        found = cuda_kernels.kernels(self.idx.device)
+        assert found is not None
+        per_block = cuda_kernels.ASSEMBLE_PER_BLOCK
+        # Rows: indices source, values source, count, payload, values offset, value bytes,
+        # first block; the sources and the payload as offsets until the buffer exists.
+        table = np.zeros((len(picked), 8), dtype=np.uint64)
+        layouts, offsets, blocks, total = [], [], 0, 0
+        for row, diff in enumerate(picked):
+            start, end = self.span(diff.slot)
+            lay = layout(diff.spec, Kind.INDICES, end - start)
+            size = diff.dtype.itemsize
+            table[row, :7] = (4 * start, size * start, end - start, total, lay.values_offset, size, blocks)
+            layouts.append(lay)
+            offsets.append(total)
+            blocks += -(-(end - start) // per_block)
+            total += align_up(lay.nbytes, PAYLOAD_ALIGN)
+        buffer = torch.empty(total, dtype=torch.uint8, device=self.idx.device)
+        table[:, 0] += np.uint64(self.idx.data_ptr())
+        table[:, 1] += np.array([self.raw[d.dtype.itemsize].data_ptr() for d in picked], dtype=np.uint64)
+        table[:, 3] += np.uint64(buffer.data_ptr())
+        on_device = torch.from_numpy(table.view(np.int64)).to(self.idx.device)
+        found.assemble(on_device.view(-1), blocks)  # same stream: the table outlives its use
+        return [buffer[at : at + lay.nbytes] for at, lay in zip(offsets, layouts)]
 
     def span(self, slot: int) -> tuple[int, int]:
         """Where tensor ``slot``'s changes lie (its end past ``cap``: they did not fit)."""
@@ -73,20 +109,20 @@ class KernelDiff:
             and cuda_kernels.kernels(base.device) is not None
         )
 
-    def result(self, give_up: float) -> tuple[Kind, int, torch.Tensor | None]:
-        """(kind, count, payload): INDICES (the kernel's order is not the indices'), DENSE or UNCHANGED."""
+    def decide(self, give_up: float) -> tuple[Kind, int]:
+        """(kind, count): INDICES (the kernel's order is not the indices'), DENSE or UNCHANGED;
+        an INDICES payload is made by :meth:`DeviceArena.assemble`, with every other one."""
         start, end = self.arena.span(self.slot)
         count, spec = end - start, self.spec
         if count == 0:
-            return Kind.UNCHANGED, 0, None
+            return Kind.UNCHANGED, 0
         if (
             end > self.arena.cap
             or count > spec.numel * give_up
             or layout(spec, Kind.INDICES, count).nbytes >= spec.nbytes
         ):
-            return Kind.DENSE, spec.numel, None
-        values = self.arena.values(self.dtype)[start:end]
-        return Kind.INDICES, count, build_payload(spec, Kind.INDICES, self.arena.idx[start:end], values)
+            return Kind.DENSE, spec.numel
+        return Kind.INDICES, count
 
 
 def diff_torch(

@@ -87,7 +87,8 @@ class Differ:
                     tasks.help(keep=2 * count)  # a short queue: few tensors held at once
         finally:
             tasks.finish()
-        return [self._joined(d, budget) for d in out]
+        kernel = self._kernel_results([d for d in out if isinstance(d, KernelDiff)], budget)
+        return [kernel[d.slot] if isinstance(d, KernelDiff) else self._joined(d) for d in out]
 
     def _one(
         self, index: int, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor, budget: Budget, tasks: Tasks
@@ -120,14 +121,19 @@ class Differ:
             scratch = self._scratch.blocks = Scratch()
         job.task(r, scratch)
 
-    def _joined(self, item: TensorDiff | RangeDiff | KernelDiff, budget: Budget) -> TensorDiff:
-        if isinstance(item, TensorDiff):
-            return item
-        got = TensorDiff(*(item.result(self.give_up) if isinstance(item, KernelDiff) else item.result()))
-        if isinstance(item, KernelDiff):  # counted once known: the kernels give no early give-up
-            spec = item.spec
-            budget.add(
-                spec.nbytes,
-                spec.nbytes if got.kind is Kind.DENSE else got.payload.numel() if got.payload is not None else 0,
-            )
-        return got
+    def _joined(self, item: TensorDiff | RangeDiff) -> TensorDiff:
+        return item if isinstance(item, TensorDiff) else TensorDiff(*item.result())
+
+    def _kernel_results(self, items: list[KernelDiff], budget: Budget) -> dict[int, TensorDiff]:
+        """The GPU kernels' tensors by slot, their payloads made in one launch; each counted
+        into ``budget`` once known (the kernels give no early give-up)."""
+        decided = [(item, *item.decide(self.give_up)) for item in items]
+        picked = [item for item, kind, _ in decided if kind is Kind.INDICES]
+        payloads = dict(zip((p.slot for p in picked), self._arena.assemble(picked) if self._arena else []))
+        results = {}
+        for item, kind, count in decided:
+            payload = payloads.get(item.slot)
+            sent = item.spec.nbytes if kind is Kind.DENSE else payload.numel() if payload is not None else 0
+            budget.add(item.spec.nbytes, sent)
+            results[item.slot] = TensorDiff(kind, count, payload)
+        return results
