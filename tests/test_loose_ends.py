@@ -281,9 +281,8 @@ def test_an_abort_of_a_failed_sync_does_not_fail_the_next_one_in_the_session() -
 
     try:
         assert not isinstance(both_sides(sender, receiver, SyncCall(seq=0, version=5))[1], Exception)
-        sent, got = both_sides(
-            sender, receiver, SyncCall(seq=1, version=3)
-        )  # older than what it holds: refused, aborted
+        # Older than what the worker holds: refused, and the trainer aborted.
+        sent, got = both_sides(sender, receiver, SyncCall(seq=1, version=3))
         assert type(got).__name__ == "VersionError" and type(sent).__name__ == "PeerAborted"
         sent, got = both_sides(sender, receiver, SyncCall(seq=2, version=6))
         assert not isinstance(sent, Exception) and not isinstance(got, Exception), (sent, got)
