@@ -4,19 +4,20 @@ payload that does not fit its tensor refused by name. Marked ``cuda``: skipped w
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-import weightsync.core.delta.apply as apply_module
 import weightsync.core.delta.device_diff as device_module
 from tests.helpers import assert_bit_equal
 from tests.test_delta import mutate, random_bits, step
 from weightsync.core.delta import cuda_kernels
-from weightsync.core.delta.apply import apply_delta, check_scatters
+from weightsync.core.delta.apply import apply_delta
 from weightsync.core.delta.diff import Differ
 from weightsync.core.delta.encoding import Kind, bits_of, layout
+from weightsync.core.delta.gpu_scatter import batched_scatters, check_scatters
 from weightsync.core.wire.dtypes import ALLOWED_DTYPES
 from weightsync.core.wire.errors import ManifestError
 from weightsync.core.wire.manifest import TensorSpec
@@ -33,7 +34,6 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     """Both ways on the GPU: the CuPy kernels (where CuPy compiles them) and torch's ops."""
     if request.param == "torch":
         monkeypatch.setattr(device_module.cuda_kernels, "kernels", lambda device: None)
-        monkeypatch.setattr(apply_module.cuda_kernels, "kernels", lambda device: None)
     elif cuda_kernels.kernels(GPU) is None:
         pytest.skip("CuPy is not installed or its compiler failed")
     yield request.param
@@ -86,22 +86,44 @@ def test_nan_payloads_and_signed_zeros_on_the_gpu(dtype: torch.dtype, engine: st
     assert_bit_equal(worker.cpu(), again.cpu(), "nan -> nan, -0.0 -> +0.0")
 
 
-def test_a_payload_outside_its_tensor_is_refused_naming_it_on_the_gpu(engine: str) -> None:
-    spec = TensorSpec("layers.7.w", (4096,), "bfloat16")
-    lay = layout(spec, Kind.INDICES, 2)
+def indices_payload(spec: TensorSpec, indices: list[int]) -> torch.Tensor:
+    lay = layout(spec, Kind.INDICES, len(indices))
     payload = torch.zeros(lay.nbytes, dtype=torch.uint8, device=GPU)
-    payload[:8].view(torch.int32).copy_(torch.tensor([3, 4096], device=GPU))
+    payload[: 4 * len(indices)].view(torch.int32).copy_(torch.tensor(indices, device=GPU))
+    payload[lay.values_offset :].view(torch.int16).fill_(7)
+    return payload
+
+
+def applying(batched: bool) -> contextlib.AbstractContextManager[None]:
+    """As a module sink lands a chunk (scatters launched together) or one by one."""
+    return batched_scatters() if batched else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
+def test_a_payload_outside_its_tensor_is_refused_naming_it_on_the_gpu(engine: str, batched: bool) -> None:
+    good, bad = TensorSpec("layers.6.w", (4096,), "bfloat16"), TensorSpec("layers.7.w", (4096,), "bfloat16")
     dest = torch.zeros(4096, dtype=torch.bfloat16, device=GPU)
-    with pytest.raises(ManifestError, match=r"layers\.7\.w"):
-        apply_delta(dest, spec, Kind.INDICES, 2, payload)
+    with pytest.raises(ManifestError, match=r"layers\.7\.w") as refused:
+        with applying(batched):
+            apply_delta(dest, good, Kind.INDICES, 2, indices_payload(good, [1, 4095]))
+            apply_delta(dest, bad, Kind.INDICES, 2, indices_payload(bad, [3, 4096]))
         check_scatters()
+    assert "layers.6.w" not in str(refused.value)
+    # The next sync's check counts only its own scatters.
+    with applying(batched):
+        apply_delta(dest, good, Kind.INDICES, 2, indices_payload(good, [0, 2]))
+    check_scatters()
+    assert bits_of(dest)[[0, 1, 2, 4, 4095]].tolist() == [7, 7, 7, 0, 7]
 
 
-def test_one_sync_of_mixed_tensors_rebuilds_every_one_on_the_gpu(engine: str) -> None:
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
+def test_one_sync_of_mixed_tensors_rebuilds_every_one_on_the_gpu(engine: str, batched: bool) -> None:
     """A sync as the trainer encodes it: bf16, fp16, fp32 and int32 tensors of many sizes
     (2-byte values after 4-byte ones among them) beside one the kernels do not take (odd
     length), one left unchanged and one changed throughout; every INDICES payload of the
-    kernels comes out of one assembly launch."""
+    kernels comes out of one assembly launch, and the worker scatters them in one launch
+    (``batched``) or one by one. A worker's tensor that is not contiguous is patched
+    through a contiguous copy, at once, inside a batch too."""
     gen = torch.Generator().manual_seed(7)
     shapes = [
         ("emb", (3001, 64), torch.bfloat16),
@@ -119,6 +141,9 @@ def test_one_sync_of_mixed_tensors_rebuilds_every_one_on_the_gpu(engine: str) ->
     model = [random_bits(dtype, s.numel, gen).view(s.shape) for s, (_, _, dtype) in zip(specs, shapes)]
     base = [t.to(GPU) for t in model]
     worker = [t.clone() for t in base]
+    # A second worker holding the matrices column-major: each patch goes through a copy.
+    strided = [t.t().contiguous().t() if t.dim() == 2 else t.clone() for t in base]
+    assert not all(t.is_contiguous() for t in strided)
     differ = Differ()
     kinds: set[Kind] = set()
     for version in range(4):
@@ -128,17 +153,21 @@ def test_one_sync_of_mixed_tensors_rebuilds_every_one_on_the_gpu(engine: str) ->
             elif spec.name != "frozen":
                 model[index] = mutate(model[index], 0.02 + 0.01 * version, gen)
         diffs = differ.diff_all(specs, [t.to(GPU) for t in model], base)
-        for index, (spec, got) in enumerate(zip(specs, diffs)):
-            kinds.add(got.kind)
-            if got.kind is Kind.DENSE:
-                worker[index].copy_(base[index])
-            elif got.payload is not None:
-                assert got.payload.numel() == layout(spec, got.kind, got.count).nbytes, spec.name
-                apply_delta(worker[index], spec, got.kind, got.count, got.payload)
+        with applying(batched):
+            for index, (spec, got) in enumerate(zip(specs, diffs)):
+                kinds.add(got.kind)
+                if got.kind is Kind.DENSE:
+                    worker[index].copy_(base[index])
+                    strided[index].copy_(base[index])
+                elif got.payload is not None:
+                    assert got.payload.numel() == layout(spec, got.kind, got.count).nbytes, spec.name
+                    apply_delta(worker[index], spec, got.kind, got.count, got.payload)
+                    apply_delta(strided[index], spec, got.kind, got.count, got.payload)
         check_scatters()
-        for spec, held, want, mine in zip(specs, worker, model, base):
+        for spec, held, want, mine, other in zip(specs, worker, model, base, strided):
             assert_bit_equal(held.cpu(), want, spec.name)
             assert_bit_equal(mine.cpu(), want, spec.name)
+            assert_bit_equal(other.contiguous().cpu(), want, f"{spec.name}, held column-major")
         assert diffs[names.index("frozen")].kind is Kind.UNCHANGED
         assert diffs[names.index("reset")].kind is Kind.DENSE
     assert Kind.INDICES in kinds

@@ -97,6 +97,9 @@ class ModuleSink:
 
     keeps_references = False
     records_checksums = True
+    #: :meth:`patch` writes in place and nothing reads the tensors before the sync ends, so
+    #: a delta's GPU scatters may be launched together (``batched_scatters``).
+    patches_in_place = True
     #: The wire's bytes are written into the parameters' storage (and direct writes them
     #: there from the trainer): a dtype difference cannot be cast.
     casts_on_load = False

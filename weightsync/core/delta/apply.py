@@ -13,26 +13,27 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.core.delta import cuda_kernels
 from weightsync.core.delta.cpu_diff import bits_np
 from weightsync.core.delta.cpu_kernels import kernels
-from weightsync.core.delta.encoding import Kind, bits_of, index_dtype, layout
+from weightsync.core.delta.encoding import Kind, Layout, bits_dtype, bits_of, index_dtype, layout
+from weightsync.core.delta.gpu_scatter import scatter_on_device, unbatched
 from weightsync.core.wire.errors import ManifestError
 from weightsync.core.wire.manifest import TensorSpec
 
 
 def payload_values(spec: TensorSpec, kind: Kind, count: int, payload: torch.Tensor) -> torch.Tensor:
     """The new bit patterns inside ``payload`` (a view), one per changed element."""
-    lay = layout(spec, kind, count)
+    return _values(spec, layout(spec, kind, count), payload)
+
+
+def _values(spec: TensorSpec, lay: Layout, payload: torch.Tensor) -> torch.Tensor:
     if payload.numel() != lay.nbytes:
         raise ManifestError(
-            f"delta payload of {spec.name!r}: {payload.numel()} bytes, its header says {lay.nbytes} ({kind.name}, "
-            f"{count} element(s)); the two sides are out of step (set up again)"
+            f"delta payload of {spec.name!r}: {payload.numel()} bytes, its header says {lay.nbytes} "
+            f"({lay.kind.name}, {lay.count} element(s)); the two sides are out of step (set up again)"
         )
     itemsize = spec.torch_dtype.itemsize
-    raw = payload[lay.values_offset : lay.values_offset + count * itemsize]
-    bits = bits_of(torch.empty(0, dtype=spec.torch_dtype, device=payload.device)).dtype
-    values = raw.view(bits)
+    values = payload[lay.values_offset : lay.values_offset + lay.count * itemsize].view(bits_dtype(spec.torch_dtype))
     return values.view(-1, 2) if itemsize == 16 else values
 
 
@@ -45,14 +46,16 @@ def apply_delta(dest: torch.Tensor, spec: TensorSpec, kind: Kind, count: int, pa
         return
     if not dest.is_contiguous() or dest.dtype != spec.torch_dtype:
         held = dest.detach().to(spec.torch_dtype).contiguous()
-        apply_delta(held, spec, kind, count, payload)
+        with unbatched():  # read back at once: its scatter cannot wait for a batch
+            apply_delta(held, spec, kind, count, payload)
         dest.copy_(held)
         return
-    values = payload_values(spec, kind, count, payload)
-    positions = payload[: layout(spec, kind, count).positions_nbytes]
-    target = bits_of(dest.detach())
-    if kind is Kind.INDICES and _scatter_on_device(dest, spec, positions, values):
+    lay = layout(spec, kind, count)
+    values = _values(spec, lay, payload)
+    positions = payload[: lay.positions_nbytes]
+    if kind is Kind.INDICES and dest.is_cuda and scatter_on_device(dest, spec, positions, values):
         return
+    target = bits_of(dest.detach())
     loops = kernels() if dest.device.type == "cpu" and spec.torch_dtype.itemsize < 16 else None
     if kind is Kind.INDICES:
         idx = positions.view(index_dtype(spec.numel))
@@ -80,40 +83,6 @@ def apply_delta(dest: torch.Tensor, spec: TensorSpec, kind: Kind, count: int, pa
             f"delta payload of {spec.name!r}: its mask marks {found} element(s), its header says {count}; "
             "the two sides are out of step (set up again)"
         )
-
-
-#: Indices outside their tensor found by the GPU scatter, per tensor name, read once by
-#: :func:`check_scatters` (a sync of a GPU worker reads no count per tensor).
-_pending: list[tuple[str, int, torch.Tensor]] = []
-
-
-def _scatter_on_device(dest: torch.Tensor, spec: TensorSpec, positions: torch.Tensor, values: torch.Tensor) -> bool:
-    """The GPU kernel's scatter, when it takes ``dest``; its check waits for :func:`check_scatters`."""
-    found = cuda_kernels.kernels(dest.device) if dest.is_cuda else None
-    if found is None or not cuda_kernels.fits(dest) or index_dtype(spec.numel) != torch.int32:
-        return False
-    bad = torch.zeros(1, dtype=torch.int64, device=dest.device)
-    found.scatter(positions.view(torch.int32), values, bits_of(dest.detach()), bad)
-    _pending.append((spec.name, spec.numel, bad))
-    return True
-
-
-def forget_scatters() -> None:
-    """Drop what an earlier sync that failed midway left unchecked (its worker is dirty)."""
-    _pending.clear()
-
-
-def check_scatters() -> None:
-    """Refuse, naming the tensors, payloads whose indices fell outside them (GPU scatters
-    since the last call; nothing was written there). Called once a sync's payloads landed."""
-    if not _pending:
-        return
-    held = list(_pending)
-    _pending.clear()
-    counts = torch.cat([b for _, _, b in held]).tolist()
-    bad = [f"{name!r} ({n} outside its {numel} elements)" for (name, numel, _), n in zip(held, counts) if n]
-    if bad:
-        raise ManifestError(f"delta payloads with indices outside their tensors: {', '.join(bad)}")
 
 
 def mask_indices(mask: torch.Tensor, numel: int) -> torch.Tensor:

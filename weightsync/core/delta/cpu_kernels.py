@@ -61,6 +61,7 @@ class Tasks:
     """
 
     def __init__(self, count: int) -> None:
+        self.count = count
         self._queue: deque[Callable[[], None]] = deque()
         self._cond = threading.Condition()
         self._busy = 0

@@ -3,12 +3,11 @@
 :class:`KernelDiff` runs :mod:`weightsync.core.delta.cuda_kernels`' one-pass compare on a
 tensor the kernels take; every tensor of a sync is launched before any count is read
 (:class:`DeviceArena`: one copy to the host per sync), then one more launch makes every
-payload (:meth:`DeviceArena.assemble`). Per sync::
+payload (:meth:`DeviceArena.finish`). Per sync::
 
     arena = DeviceArena(specs, device)
     diffs = [KernelDiff(spec, new, base, arena, slot), ...]   # launched, base updated
-    kinds = [d.decide(give_up) for d in diffs]                # (kind, count): one host copy
-    payloads = arena.assemble([d for d, (k, _) in zip(diffs, kinds) if k is Kind.INDICES])
+    outcomes = arena.finish(diffs, give_up)                   # [(kind, count, payload)]
 
 :func:`diff_torch` compares one
 tensor with its base with torch ops, as 64-bit words first (four bf16 elements a word; at
@@ -18,16 +17,15 @@ differ, and writes them into the base. Elements of 8 bytes or more are compared 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from weightsync.core.delta import cuda_kernels
+from weightsync.core.delta.cuda_source import ROWS_PER_BLOCK
 from weightsync.core.delta.encoding import PAYLOAD_ALIGN, Kind, best_kind, bits_of, index_dtype, layout
 from weightsync.core.wire.manifest import TensorSpec
-from weightsync.core.wire.plan import align_up
 
 #: The GPU kernels' outputs of one sync hold the changes of at most this share of its
 #: elements (an index and the new bits each: at bf16 6 bytes, so about a fifth of the
@@ -38,7 +36,7 @@ ARENA_SHARE = 1 / 16
 class DeviceArena:
     """One sync's outputs of the GPU kernels: every tensor's changes back to back (the
     kernels run one after the other on one stream, drawing on one counter), and the counter
-    as it stood after each tensor (read with one copy to the host, once)."""
+    as each tensor left it (written by the kernels, read with one copy to the host, once)."""
 
     def __init__(self, specs: list[TensorSpec], device: torch.device) -> None:
         elements = sum(s.numel for s in specs)
@@ -51,61 +49,99 @@ class DeviceArena:
         self.raw = {size: torch.empty(self.cap * size, dtype=torch.uint8, device=device) for size in sizes}
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.after = torch.zeros(len(specs), dtype=torch.int64, device=device)
-        self._host: list[int] | None = None
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         return self.raw[dtype.itemsize].view(dtype)[: self.cap]
 
-    def assemble(self, picked: Sequence[KernelDiff]) -> list[torch.Tensor]:
-        """The INDICES payloads of ``picked`` (each decided INDICES), views of one buffer
-        filled by one kernel launch: made one by one, they cost three small host-bound ops
-        a tensor (582 for an 8B-shaped model's 194)."""
-        if not picked:
+    def finish(self, diffs: Sequence[KernelDiff], give_up: float) -> list[tuple[Kind, int, torch.Tensor | None]]:
+        """(kind, count, payload) of each of ``diffs`` (every kernel tensor of the sync, all
+        launched): INDICES (the kernels' order is not the indices'), DENSE (past
+        ``give_up`` of its elements, no smaller as INDICES, or past the arena) or
+        UNCHANGED. One copy to the host waits for the kernels; the decisions are made on
+        whole arrays and every INDICES payload in one more launch, so the host's work after
+        the wait does not grow by a Python step per tensor."""
+        if not diffs:
             return []
+        # Slots the kernels found nothing in stay 0: each start is the largest end before it.
+        ends_all = np.maximum.accumulate(self.after.cpu().numpy())
+        slots = np.fromiter((d.slot for d in diffs), dtype=np.int64, count=len(diffs))
+        ends = ends_all[slots]
+        starts = np.where(slots > 0, ends_all[np.maximum(slots - 1, 0)], 0)
+        counts = ends - starts
+        numel = np.fromiter((d.spec.numel for d in diffs), dtype=np.int64, count=len(diffs))
+        size = np.fromiter((d.dtype.itemsize for d in diffs), dtype=np.int64, count=len(diffs))
+        # The INDICES layout (int32 positions: the kernels take no tensor of 2**31 elements).
+        offsets = -(-counts * 4 // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        nbytes = offsets + counts * size
+        dense = (ends > self.cap) | (counts > numel * give_up) | (nbytes >= numel * size)
+        picked = np.flatnonzero((counts > 0) & ~dense)
+        payloads = self._assemble(picked, starts, counts, size, offsets, nbytes, diffs)
+        out: list[tuple[Kind, int, torch.Tensor | None]] = []
+        for i, (diff, count, gone) in enumerate(zip(diffs, counts.tolist(), dense.tolist())):
+            if count == 0:
+                out.append((Kind.UNCHANGED, 0, None))
+            elif gone:
+                out.append((Kind.DENSE, diff.spec.numel, None))
+            else:
+                out.append((Kind.INDICES, count, payloads[i]))
+        return out
+
+    def _assemble(
+        self,
+        picked: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        size: np.ndarray,
+        offsets: np.ndarray,
+        nbytes: np.ndarray,
+        diffs: Sequence[KernelDiff],
+    ) -> dict[int, torch.Tensor]:
+        """The INDICES payloads of the ``picked`` diffs, views of one buffer filled by one
+        kernel launch (made one by one, they cost three small host-bound ops a tensor)."""
+        if picked.size == 0:
+            return {}
         found = cuda_kernels.kernels(self.idx.device)
         assert found is not None
-        per_block = cuda_kernels.ASSEMBLE_PER_BLOCK
+        per_block = ROWS_PER_BLOCK
+        aligned = -(-nbytes[picked] // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        at = np.concatenate(([0], np.cumsum(aligned)[:-1]))
+        blocks = -(-counts[picked] // per_block)
+        first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
+        buffer = torch.empty(int(aligned.sum()), dtype=torch.uint8, device=self.idx.device)
+        raw = np.array(
+            [self.raw[s].data_ptr() if s in self.raw else 0 for s in (2, 4)], dtype=np.int64
+        )  # by size: 2 -> [0], 4 -> [1]
         # Rows: indices source, values source, count, payload, values offset, value bytes,
-        # first block; the sources and the payload as offsets until the buffer exists.
-        table = np.zeros((len(picked), 8), dtype=np.uint64)
-        layouts, offsets, blocks, total = [], [], 0, 0
-        for row, diff in enumerate(picked):
-            start, end = self.span(diff.slot)
-            lay = layout(diff.spec, Kind.INDICES, end - start)
-            size = diff.dtype.itemsize
-            table[row, :7] = (4 * start, size * start, end - start, total, lay.values_offset, size, blocks)
-            layouts.append(lay)
-            offsets.append(total)
-            blocks += -(-(end - start) // per_block)
-            total += align_up(lay.nbytes, PAYLOAD_ALIGN)
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.idx.device)
-        table[:, 0] += np.uint64(self.idx.data_ptr())
-        table[:, 1] += np.array([self.raw[d.dtype.itemsize].data_ptr() for d in picked], dtype=np.uint64)
-        table[:, 3] += np.uint64(buffer.data_ptr())
-        on_device = torch.from_numpy(table.view(np.int64)).to(self.idx.device)
-        found.assemble(on_device.view(-1), blocks)  # same stream: the table outlives its use
-        return [buffer[at : at + lay.nbytes] for at, lay in zip(offsets, layouts)]
-
-    def span(self, slot: int) -> tuple[int, int]:
-        """Where tensor ``slot``'s changes lie (its end past ``cap``: they did not fit)."""
-        if self._host is None:
-            # Slots the kernels did not run for stay 0: each start is the counter as the
-            # last kernel before it left it (it only grows).
-            self._host = list(itertools.accumulate(self.after.tolist(), max, initial=0))
-        return self._host[slot], self._host[slot + 1]
+        # first block, unused (see the kernel).
+        table = np.zeros((picked.size, 8), dtype=np.int64)
+        table[:, 0] = self.idx.data_ptr() + 4 * starts[picked]
+        table[:, 1] = raw[size[picked] // 4] + size[picked] * starts[picked]
+        table[:, 2] = counts[picked]
+        table[:, 3] = buffer.data_ptr() + at
+        table[:, 4] = offsets[picked]
+        table[:, 5] = size[picked]
+        table[:, 6] = first
+        on_device = torch.from_numpy(table).to(self.idx.device)
+        found.assemble(on_device.view(-1), int(blocks.sum()))  # same stream: the table outlives its use
+        return {
+            int(i): buffer[int(a) : int(a) + int(n)]
+            for i, a, n in zip(picked.tolist(), at.tolist(), nbytes[picked].tolist())
+        }
 
 
 class KernelDiff:
-    """One tensor's compare by the GPU kernel: launched when made, joined by :meth:`result`
-    (once every tensor of the sync was launched). The base takes the new bytes either way."""
+    """One tensor's compare by the GPU kernel, launched when made; its outcome comes from
+    :meth:`DeviceArena.finish` once every tensor of the sync was launched. The base takes
+    the new bytes either way."""
 
     def __init__(self, spec: TensorSpec, new: torch.Tensor, base: torch.Tensor, arena: DeviceArena, slot: int) -> None:
         found = cuda_kernels.kernels(base.device)
         assert found is not None
-        self.spec, self.arena, self.slot = spec, arena, slot
+        self.spec, self.slot = spec, slot
         self.dtype = bits_of(base).dtype
-        found.encode(new.reshape(-1), base.reshape(-1), arena.idx, arena.values(self.dtype), arena.counter)
-        arena.after[slot : slot + 1].copy_(arena.counter)
+        found.encode(
+            new.reshape(-1), base.reshape(-1), arena.idx, arena.values(self.dtype), arena.counter, arena.after, slot
+        )
 
     @staticmethod
     def takes(new: torch.Tensor, base: torch.Tensor) -> bool:
@@ -116,21 +152,6 @@ class KernelDiff:
             and cuda_kernels.fits(base)
             and cuda_kernels.kernels(base.device) is not None
         )
-
-    def decide(self, give_up: float) -> tuple[Kind, int]:
-        """(kind, count): INDICES (the kernel's order is not the indices'), DENSE or UNCHANGED;
-        an INDICES payload is made by :meth:`DeviceArena.assemble`, with every other one."""
-        start, end = self.arena.span(self.slot)
-        count, spec = end - start, self.spec
-        if count == 0:
-            return Kind.UNCHANGED, 0
-        if (
-            end > self.arena.cap
-            or count > spec.numel * give_up
-            or layout(spec, Kind.INDICES, count).nbytes >= spec.nbytes
-        ):
-            return Kind.DENSE, spec.numel
-        return Kind.INDICES, count
 
 
 def diff_torch(

@@ -55,6 +55,7 @@ class Differ:
         self._scratch = threading.local()
         self._arena: DeviceArena | None = None
         self._specs: list[TensorSpec] = []
+        self._tasks: Tasks | None = None
 
     def diff(self, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor) -> TensorDiff:
         """One tensor: the encoding of ``source`` (any dtype and strides, cast to ``spec``'s
@@ -76,22 +77,30 @@ class Differ:
         out: list[TensorDiff | RangeDiff | KernelDiff] = []
         self._arena = None
         self._specs = list(specs)
-        count = threads() if kernels() is not None else 1
-        tasks = Tasks(count)
+        self._tasks = None
         try:
             with torch.no_grad():
                 for index, spec in enumerate(specs):
                     if stop and budget.gave_up:
                         break
-                    out.append(self._one(index, spec, sources[index], bases[index], budget, tasks))
-                    tasks.help(keep=2 * count)  # a short queue: few tensors held at once
+                    out.append(self._one(index, spec, sources[index], bases[index], budget))
+                    if self._tasks is not None:
+                        self._tasks.help(keep=2 * self._tasks.count)  # a short queue: few tensors held at once
         finally:
-            tasks.finish()
+            if self._tasks is not None:
+                self._tasks.finish()
         kernel = self._kernel_results([d for d in out if isinstance(d, KernelDiff)], budget)
         return [kernel[d.slot] if isinstance(d, KernelDiff) else self._joined(d) for d in out]
 
+    def _queue(self) -> Tasks:
+        """This sync's CPU tasks, their helper threads started on first use: a sync whose
+        tensors all go to the GPU kernels or torch ops starts none."""
+        if self._tasks is None:
+            self._tasks = Tasks(threads() if kernels() is not None else 1)
+        return self._tasks
+
     def _one(
-        self, index: int, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor, budget: Budget, tasks: Tasks
+        self, index: int, spec: TensorSpec, source: torch.Tensor, base: torch.Tensor, budget: Budget
     ) -> TensorDiff | RangeDiff | KernelDiff:
         source = source.detach()
         if spec.numel == 0:
@@ -111,6 +120,7 @@ class Differ:
             sent = spec.nbytes if kind is Kind.DENSE else (payload.numel() if payload is not None else 0)
             budget.add(spec.nbytes, sent)
             return TensorDiff(kind, count, payload)
+        tasks = self._queue()
         for r in range(job.ranges):
             tasks.add(functools.partial(self._run, job, r))
         return job
@@ -127,12 +137,11 @@ class Differ:
     def _kernel_results(self, items: list[KernelDiff], budget: Budget) -> dict[int, TensorDiff]:
         """The GPU kernels' tensors by slot, their payloads made in one launch; each counted
         into ``budget`` once known (the kernels give no early give-up)."""
-        decided = [(item, *item.decide(self.give_up)) for item in items]
-        picked = [item for item, kind, _ in decided if kind is Kind.INDICES]
-        payloads = dict(zip((p.slot for p in picked), self._arena.assemble(picked) if self._arena else []))
+        if not items:
+            return {}
+        assert self._arena is not None
         results = {}
-        for item, kind, count in decided:
-            payload = payloads.get(item.slot)
+        for item, (kind, count, payload) in zip(items, self._arena.finish(items, self.give_up)):
             sent = item.spec.nbytes if kind is Kind.DENSE else payload.numel() if payload is not None else 0
             budget.add(item.spec.nbytes, sent)
             results[item.slot] = TensorDiff(kind, count, payload)

@@ -48,6 +48,11 @@ class Kind(enum.IntEnum):
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype :func:`bits_of` views a tensor of ``dtype`` as."""
+    return _BITS[dtype.itemsize]
+
+
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat integer view of a contiguous tensor's bit patterns: one integer per element,
     or for 16-byte elements a ``[numel, 2]`` int64 view (one row per element)."""

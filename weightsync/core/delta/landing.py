@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from weightsync.core.delta.apply import check_scatters, forget_scatters
 from weightsync.core.delta.encoding import Kind
+from weightsync.core.delta.gpu_scatter import batched_scatters, check_scatters, forget_scatters
 from weightsync.core.delta.header import Mode, PayloadPlan, SyncHeader, header_nbytes, plan_payload
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.manifest import Manifest
@@ -49,6 +49,16 @@ class DeltaLanding:
         return [real[i] if self.plan.kinds[i][0] is Kind.DENSE else None for i in self.plan.origin]
 
     def consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Dense tensors to the sink, payloads to its ``patch``; a sink that patches in place
+        (``patches_in_place``) gets its GPU scatters of ``items`` launched together, before
+        this returns (``items`` may be reused once it has: a slot's next chunk)."""
+        if getattr(self.sink, "patches_in_place", False):
+            with batched_scatters():
+                self._consume(items)
+        else:
+            self._consume(items)
+
+    def _consume(self, items: list[tuple[str, torch.Tensor]]) -> None:
         dense = []
         for name, tensor in items:
             index = self._index[name]
