@@ -19,6 +19,7 @@ raw copies, apply within 1)::
     python3 scripts/delta_gpu.py                       # 16gb, 3% changed, 5 rounds
     python3 scripts/delta_gpu.py --size 1gb --changed 0.01 --rounds 3
     python3 scripts/delta_gpu.py --torch-ops           # torch's ops instead of the kernels
+    python3 scripts/delta_gpu.py --rounds 2 --profile  # and the kernels' times of one more round
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from collections.abc import Callable
 import torch
 
 from weightsync.core.delta import cuda_kernels
-from weightsync.core.delta.apply import apply_delta, check_scatters
+from weightsync.core.delta.apply import apply_delta
 from weightsync.core.delta.diff import Differ, TensorDiff
 from weightsync.core.delta.encoding import Kind
+from weightsync.core.delta.gpu_scatter import batched_scatters, check_scatters
 from weightsync.core.wire.manifest import TensorSpec
 from weightsync.tools.models import SIZES, PolicyConfig, build_policy
+
+#: Seconds after its start at which the host returned from the last call ``timed`` ran.
+host_returned = [0.0]
 
 
 def timed(run: Callable[[], object]) -> float:
@@ -45,6 +50,7 @@ def timed(run: Callable[[], object]) -> float:
     began = time.perf_counter()
     start.record()
     run()
+    host_returned[0] = time.perf_counter() - began
     end.record()
     torch.cuda.synchronize()
     return max(start.elapsed_time(end) / 1e3, 0.0) or time.perf_counter() - began
@@ -66,18 +72,21 @@ def one_round(
     tensors: list[torch.Tensor],
     base: list[torch.Tensor],
     worker: list[torch.Tensor],
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
     """Encode ``tensors`` against ``base``, apply the payloads to ``worker``, check it; (encode
-    seconds, apply seconds, bytes the payloads and dense tensors hold)."""
+    seconds, seconds until the encode's host call returned, apply seconds, bytes the
+    payloads and dense tensors hold)."""
     diffs: list[TensorDiff] = []
     encode_s = timed(lambda: diffs.extend(differ.diff_all(specs, tensors, base)))
+    encode_host = host_returned[0]
 
-    def apply() -> None:
-        for index, (spec, got) in enumerate(zip(specs, diffs)):
-            if got.kind is Kind.DENSE:
-                worker[index].copy_(base[index])
-            elif got.payload is not None:
-                apply_delta(worker[index], spec, got.kind, got.count, got.payload)
+    def apply() -> None:  # as a worker's module sink lands them: scatters launched together
+        with batched_scatters():
+            for index, (spec, got) in enumerate(zip(specs, diffs)):
+                if got.kind is Kind.DENSE:
+                    worker[index].copy_(base[index])
+                elif got.payload is not None:
+                    apply_delta(worker[index], spec, got.kind, got.count, got.payload)
         check_scatters()
 
     apply_s = timed(apply)
@@ -86,7 +95,7 @@ def one_round(
         for d, s in zip(diffs, specs)
     )
     assert all(torch.equal(w, t) for w, t in zip(worker, tensors)), "the worker's copy differs from the model"
-    return encode_s, apply_s, sent
+    return encode_s, encode_host, apply_s, sent
 
 
 def main() -> None:
@@ -95,6 +104,9 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.03, help="fraction of the elements changed per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--torch-ops", action="store_true", help="time torch's ops instead of the CuPy kernels")
+    parser.add_argument(
+        "--profile", action="store_true", help="after the rounds, one more under torch.profiler: its kernels' times"
+    )
     args = parser.parse_args()
     if args.torch_ops:
         cuda_kernels.kernels = lambda device: None  # type: ignore[assignment]
@@ -116,12 +128,13 @@ def main() -> None:
     for round_ in range(args.rounds + 1):  # the first round warms up (compiles, allocates)
         copy_s = timed(lambda: [scratch[: t.numel()].copy_(t.view(-1)) for t in tensors])
         perturb(tensors, args.changed, round_)
-        encode_s, apply_s, sent = one_round(differ, specs, tensors, base, worker)
+        encode_s, host_s, apply_s, sent = one_round(differ, specs, tensors, base, worker)
         if round_:
             rows.append((copy_s, encode_s, apply_s, sent / nbytes))
             print(
                 f"round {round_}: raw copy {copy_s * 1e3:.2f} ms, encode {encode_s * 1e3:.2f} ms "
-                f"({encode_s / copy_s:.2f} copies), apply {apply_s * 1e3:.2f} ms ({apply_s / copy_s:.2f} copies), "
+                f"({encode_s / copy_s:.2f} copies; its host call returned at {host_s * 1e3:.2f} ms), "
+                f"apply {apply_s * 1e3:.2f} ms ({apply_s / copy_s:.2f} copies), "
                 f"payloads {sent / nbytes:.1%} of the bytes",
                 flush=True,
             )
@@ -132,6 +145,11 @@ def main() -> None:
         f"raw copies (target 1); payloads {share:.1%} of {nbytes / 1e9:.2f} GB at {args.changed:.1%} changed",
         flush=True,
     )
+    if args.profile:
+        perturb(tensors, args.changed, args.rounds + 1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            one_round(differ, specs, tensors, base, worker)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
 if __name__ == "__main__":
