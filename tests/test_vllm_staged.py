@@ -119,6 +119,11 @@ class Sync:
         return out
 
 
+#: Chunks smaller than the trainer's first tensor (9.5 KB on the wire): see the tests that
+#: stop the trainer at a gate and count what the engine generates meanwhile.
+GATE_CHUNK = 4096
+
+
 def check_staged_report(report: SyncReport, version: int, generated: int) -> None:
     """The staged sync committed; generation was held off for part of it only (the swap and
     what surrounds it), at least ``generated`` tokens were generated during the transfer."""
@@ -136,7 +141,12 @@ def check_staged_report(report: SyncReport, version: int, generated: int) -> Non
 def test_an_llm_engine_generates_from_its_version_while_the_next_streams_in(
     engine: Any, trainer: Any, transport: str
 ) -> None:
-    with WeightSync(trainer, {"vllm-staged": engine}, transport=transport, timeout_s=120) as ws:
+    # 4 KiB chunks: the first tensor alone spans three, more than the two buffers hold, so
+    # a trainer stopped at tensor 4 has seen the engine take a chunk (its receive began,
+    # and what it generates from here counts as generated during the transfer).
+    with WeightSync(
+        trainer, {"vllm-staged": engine}, transport=transport, buffer_bytes=GATE_CHUNK, timeout_s=120
+    ) as ws:
         base = 100 if transport == "ipc" else 120
         ws.sync(base)
         old = token_ids(get(engine.generate.remote(vm.PROMPTS, greedy())))
@@ -209,7 +219,9 @@ def test_an_async_engine_streams_while_the_next_version_arrives_and_pauses_only_
     """pause_mode="wait": requests started during the transfer run and finish on the old
     weights; requests still running when the transfer ends are drained on the old weights
     before the swap; requests after the commit follow the trainer's new model."""
-    with WeightSync(trainer, {"vllm-staged-async": async_engine}, transport="ipc", timeout_s=120) as ws:
+    with WeightSync(
+        trainer, {"vllm-staged-async": async_engine}, transport="ipc", buffer_bytes=GATE_CHUNK, timeout_s=120
+    ) as ws:  # chunks small enough that the gate is reached only once the engine's receive began
         ws.sync(200)
         old = token_ids(get(async_engine.generate.remote(vm.PROMPTS, greedy(LONG))))
         get(trainer.call.remote(sgd_step, 8))
