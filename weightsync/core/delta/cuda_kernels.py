@@ -6,8 +6,8 @@ torch's ops take several passes to find the changed elements of a tensor (a comp
 base at once, and its changed elements (index, new bits) go to the outputs, each thread
 block reserving its run of slots with one atomic add. So the outputs come in blocks'
 order, not in index order: a payload made here is always INDICES, whose positions may come
-in any order (each index once); a block lists its changes word row by word row, so they
-come in index order within each row of its tile. :func:`assemble` copies every INDICES
+in any order (each index once); a block lists its tile's changes row by row (a row: one
+word of each thread, adjacent words), so they come in index order within a row. :func:`assemble` copies every INDICES
 payload of a sync out of those outputs in one launch. :func:`scatter` writes a payload's
 values into a tensor, and :func:`scatter_rows` those of many payloads in one launch,
 counting indices outside it into a device counter (read once per sync, not per tensor).

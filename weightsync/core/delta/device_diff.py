@@ -75,7 +75,7 @@ class DeviceArena:
         nbytes = offsets + counts * size
         dense = (ends > self.cap) | (counts > numel * give_up) | (nbytes >= numel * size)
         picked = np.flatnonzero((counts > 0) & ~dense)
-        payloads = self._assemble(picked, starts, counts, size, offsets, nbytes, diffs)
+        payloads = self._assemble(picked, starts, counts, size, offsets, nbytes)
         out: list[tuple[Kind, int, torch.Tensor | None]] = []
         for i, (diff, count, gone) in enumerate(zip(diffs, counts.tolist(), dense.tolist())):
             if count == 0:
@@ -94,7 +94,6 @@ class DeviceArena:
         size: np.ndarray,
         offsets: np.ndarray,
         nbytes: np.ndarray,
-        diffs: Sequence[KernelDiff],
     ) -> dict[int, torch.Tensor]:
         """The INDICES payloads of the ``picked`` diffs, views of one buffer filled by one
         kernel launch (made one by one, they cost three small host-bound ops a tensor)."""

@@ -8,7 +8,7 @@ one copy and names the tensors. Per sync of a worker::
 
     forget_scatters()                  # what a failed sync left unchecked
     with batched_scatters():           # per chunk of payloads, where nothing reads them early
-        apply_delta(...) ...           # queued; launched together as the block ends
+        apply_delta(...) ...           # queued; launched a batch at a time
     check_scatters()                   # once every payload landed
 """
 
@@ -58,8 +58,6 @@ class _Counters:
         for device, used in self.used.items():
             blocks = self.blocks[device][: -(-used // self.BLOCK)]
             read[device] = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
-            for block in blocks:
-                block.zero_()
         held = [(name, numel, read[device][n]) for name, numel, device, n in self.pending]
         self.forget()
         return held
@@ -133,9 +131,10 @@ def unbatched() -> Iterator[None]:
 @contextlib.contextmanager
 def batched_scatters() -> Iterator[None]:
     """GPU scatters of :func:`apply_delta` calls in this block (this thread's) are launched
-    together when it ends, not one by one: the tensors take their new values only then, so
-    a caller that reads a patched tensor inside the block must not use it. Nothing is
-    launched when the block raises (the worker is dirty: its next sync is dense)::
+    together, not one by one: whenever :data:`FLUSH_ELEMENTS` changed elements are queued,
+    and when the block ends. A tensor may take its new values only then, so a caller that
+    reads a patched tensor inside the block must not use it. What is still queued when the
+    block raises is not launched (the worker is dirty: its next sync is dense)::
 
         with batched_scatters():
             for ...: apply_delta(dest, spec, kind, count, payload)
