@@ -39,21 +39,19 @@ from weightsync.core.delta.gpu_scatter import batched_scatters, check_scatters
 from weightsync.core.wire.manifest import TensorSpec
 from weightsync.tools.models import SIZES, PolicyConfig, build_policy
 
-#: Seconds after its start at which the host returned from the last call ``timed`` ran.
-host_returned = [0.0]
 
-
-def timed(run: Callable[[], object]) -> float:
-    """Seconds ``run`` takes on the device, between two synchronizations."""
+def timed(run: Callable[[], object]) -> tuple[float, float]:
+    """Seconds ``run`` takes on the device, between two synchronizations, and seconds until
+    its call returned on the host."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     began = time.perf_counter()
     start.record()
     run()
-    host_returned[0] = time.perf_counter() - began
+    returned = time.perf_counter() - began
     end.record()
     torch.cuda.synchronize()
-    return max(start.elapsed_time(end) / 1e3, 0.0) or time.perf_counter() - began
+    return max(start.elapsed_time(end) / 1e3, 0.0) or time.perf_counter() - began, returned
 
 
 def perturb(tensors: list[torch.Tensor], fraction: float, seed: int) -> None:
@@ -77,8 +75,7 @@ def one_round(
     seconds, seconds until the encode's host call returned, apply seconds, bytes the
     payloads and dense tensors hold)."""
     diffs: list[TensorDiff] = []
-    encode_s = timed(lambda: diffs.extend(differ.diff_all(specs, tensors, base)))
-    encode_host = host_returned[0]
+    encode_s, encode_host = timed(lambda: diffs.extend(differ.diff_all(specs, tensors, base)))
 
     def apply() -> None:  # as a worker's module sink lands them: scatters launched together
         with batched_scatters():
@@ -89,7 +86,7 @@ def one_round(
                     apply_delta(worker[index], spec, got.kind, got.count, got.payload)
         check_scatters()
 
-    apply_s = timed(apply)
+    apply_s, _ = timed(apply)
     sent = sum(
         d.payload.numel() if d.payload is not None else (s.nbytes if d.kind is Kind.DENSE else 0)
         for d, s in zip(diffs, specs)
@@ -126,7 +123,7 @@ def main() -> None:
     scratch = torch.empty(max(t.numel() for t in tensors), dtype=torch.bfloat16, device=device)
     rows: list[tuple[float, float, float, float]] = []
     for round_ in range(args.rounds + 1):  # the first round warms up (compiles, allocates)
-        copy_s = timed(lambda: [scratch[: t.numel()].copy_(t.view(-1)) for t in tensors])
+        copy_s, _ = timed(lambda: [scratch[: t.numel()].copy_(t.view(-1)) for t in tensors])
         perturb(tensors, args.changed, round_)
         encode_s, host_s, apply_s, sent = one_round(differ, specs, tensors, base, worker)
         if round_:

@@ -25,9 +25,10 @@ import logging
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
-from weightsync.core.delta.cuda_source import PER, SOURCE, THREADS
+from weightsync.core.delta.cuda_source import PER, ROWS_PER_BLOCK, SOURCE, THREADS
 
 log = logging.getLogger("weightsync")
 
@@ -128,6 +129,16 @@ class Kernels:
             cupy.int64(dest.numel()), cupy.uint64(bad),
         )  # fmt: skip
         self._launch(self.scatter_fn[dest.element_size()], grid, args)
+
+
+def row_table(table: np.ndarray, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A row-table kernel's table (int64, 8 words a row, see the source) on ``device``, with
+    each row's first block (word 6) numbered from the counts (word 2), and the blocks the
+    launch needs: one per :data:`~weightsync.core.delta.cuda_source.ROWS_PER_BLOCK` elements
+    of each row. Launched on the stream it was copied on, the table outlives its use."""
+    blocks = -(-table[:, 2] // ROWS_PER_BLOCK)
+    table[:, 6] = np.cumsum(blocks) - blocks
+    return torch.from_numpy(table).to(device).view(-1), int(blocks.sum())
 
 
 @functools.cache

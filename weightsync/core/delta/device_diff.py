@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from weightsync.core.delta import cuda_kernels
-from weightsync.core.delta.cuda_source import ROWS_PER_BLOCK
 from weightsync.core.delta.encoding import PAYLOAD_ALIGN, Kind, best_kind, bits_of, index_dtype, layout
 from weightsync.core.wire.manifest import TensorSpec
 
@@ -101,17 +100,14 @@ class DeviceArena:
             return {}
         found = cuda_kernels.kernels(self.idx.device)
         assert found is not None
-        per_block = ROWS_PER_BLOCK
         aligned = -(-nbytes[picked] // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         at = np.concatenate(([0], np.cumsum(aligned)[:-1]))
-        blocks = -(-counts[picked] // per_block)
-        first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
         buffer = torch.empty(int(aligned.sum()), dtype=torch.uint8, device=self.idx.device)
         raw = np.array(
             [self.raw[s].data_ptr() if s in self.raw else 0 for s in (2, 4)], dtype=np.int64
         )  # by size: 2 -> [0], 4 -> [1]
         # Rows: indices source, values source, count, payload, values offset, value bytes,
-        # first block, unused (see the kernel).
+        # first block (row_table's), unused (see the kernel).
         table = np.zeros((picked.size, 8), dtype=np.int64)
         table[:, 0] = self.idx.data_ptr() + 4 * starts[picked]
         table[:, 1] = raw[size[picked] // 4] + size[picked] * starts[picked]
@@ -119,9 +115,7 @@ class DeviceArena:
         table[:, 3] = buffer.data_ptr() + at
         table[:, 4] = offsets[picked]
         table[:, 5] = size[picked]
-        table[:, 6] = first
-        on_device = torch.from_numpy(table).to(self.idx.device)
-        found.assemble(on_device.view(-1), int(blocks.sum()))  # same stream: the table outlives its use
+        found.assemble(*cuda_kernels.row_table(table, self.idx.device))
         return {
             int(i): buffer[int(a) : int(a) + int(n)]
             for i, a, n in zip(picked.tolist(), at.tolist(), nbytes[picked].tolist())

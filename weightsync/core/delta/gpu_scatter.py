@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from weightsync.core.delta import cuda_kernels
-from weightsync.core.delta.cuda_source import ROWS_PER_BLOCK
 from weightsync.core.delta.encoding import bits_of, index_dtype
 from weightsync.core.wire.errors import ManifestError
 from weightsync.core.wire.manifest import TensorSpec
@@ -57,7 +56,7 @@ class _Counters:
         read = {}
         for device, used in self.used.items():
             blocks = self.blocks[device][: -(-used // self.BLOCK)]
-            read[device] = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
+            read[device] = torch.cat(blocks).tolist()
         held = [(name, numel, read[device][n]) for name, numel, device, n in self.pending]
         self.forget()
         return held
@@ -105,10 +104,7 @@ class ScatterBatch:
             assert found is not None
             table = np.zeros((len(rows), 8), dtype=np.int64)
             table[:, [0, 1, 2, 3, 4, 5, 7]] = np.array(rows, dtype=np.int64)
-            blocks = -(-table[:, 2] // ROWS_PER_BLOCK)
-            table[:, 6] = np.cumsum(blocks) - blocks
-            # Same stream as the launch: the table's memory outlives its use.
-            found.scatter_rows(torch.from_numpy(table).to(device).view(-1), int(blocks.sum()))
+            found.scatter_rows(*cuda_kernels.row_table(table, device))
         self.rows.clear()
         self.held.clear()
         self.queued = 0
