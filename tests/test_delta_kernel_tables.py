@@ -215,6 +215,7 @@ def test_a_batch_of_scatters_lands_every_payload_in_one_launch_and_names_the_one
     with pytest.raises(ManifestError, match=r"layers\.3\.w") as refused:
         with batched_scatters():
             for spec, indices in ((specs[1], [0, 2999]), (bad, [5, 100, -1])):
+                # Dropped here before the batch launches: the batch keeps it alive until then.
                 dest = torch.zeros(spec.numel, dtype=spec.torch_dtype)
                 values = torch.ones(len(indices), dtype=torch.int32)
                 scatter_on_device(dest, spec, torch.tensor(indices, dtype=torch.int32).view(torch.uint8), values)

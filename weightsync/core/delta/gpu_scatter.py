@@ -84,7 +84,8 @@ class ScatterBatch:
     launch costs the worker's host more than its kernel costs the GPU."""
 
     def __init__(self) -> None:
-        #: Per device: table rows (see the kernel) and what they point into, kept alive.
+        #: Per device: table rows (see the kernel); every tensor they point into is kept
+        #: alive until the launch (a destination freed before it would be written after).
         self.rows: dict[torch.device, list[tuple[int, ...]]] = {}
         self.held: list[torch.Tensor] = []
         self.queued = 0
@@ -93,7 +94,7 @@ class ScatterBatch:
         bad = _counters.take(name, numel, dest.device)
         row = (idx.data_ptr(), values.data_ptr(), idx.numel(), dest.data_ptr(), numel, dest.element_size(), bad)
         self.rows.setdefault(dest.device, []).append(row)
-        self.held += (idx, values)
+        self.held += (idx, values, dest)
         self.queued += idx.numel()
         if self.queued >= FLUSH_ELEMENTS:
             self.launch()
