@@ -188,6 +188,26 @@ def test_auto_picks_direct_on_a_shared_gpu_and_refuses_nccl_there(actors: Any) -
         WeightSync(trainer, workers, transport="broadcast").setup()
 
 
+def test_auto_buffers_on_one_gpu_make_one_ipc_slot_and_sync_bit_exact(actors: Any) -> None:
+    """Both sides of ipc copy on the one GPU, whose kernels they share by time slices: "auto"
+    gives the memory of the two default slots to one; an explicit size keeps its count."""
+    trainer, workers = gpu_pair(
+        actors, PolicyFactory("100mb", 0, "cuda"), worker_factory=PolicyFactory("100mb", 1, "cuda")
+    )
+    with WeightSync(trainer, workers, transport="ipc") as ws:
+        manifest = ws.setup()
+        assert manifest.agreed.num_buffers == 1
+        assert manifest.agreed.buffer_bytes >= manifest.total_bytes and len(manifest.chunks) == 1
+        ws.sync(1)
+        assert_workers_match(trainer, workers)
+    with WeightSync(trainer, workers, transport="ipc", buffer_bytes=16 << 20) as ws:
+        manifest = ws.setup()
+        assert manifest.agreed.num_buffers == 2 and len(manifest.chunks) > 2
+        get(trainer.call.remote(lambda m: train_step(m, 1)))
+        ws.sync(2)
+        assert_workers_match(trainer, workers)
+
+
 @pytest.mark.parametrize("transport", ["ipc", "direct"])
 def test_packing_waits_for_the_callers_stream(transport: str, actors: Any) -> None:
     trainer, workers = gpu_pair(

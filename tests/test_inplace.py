@@ -25,7 +25,7 @@ from weightsync.core.packing import tensor_checksums
 from weightsync.core.sinks import LoadWeightsSink, ModuleSink
 from weightsync.core.wire import ChecksumMismatch, Manifest, ManifestError, SettingsError, SyncCall, SyncSettings
 from weightsync.core.wire.outcome import ok
-from weightsync.core.wire.sizing import BufferHints, resolve_buffer_bytes
+from weightsync.core.wire.sizing import BufferHints, resolve_buffers
 from weightsync.mechanisms.gloo import GlooCommunicator, open_store
 from weightsync.transports.broadcast.halves import BroadcastReceiver, BroadcastSender
 
@@ -311,12 +311,13 @@ def test_bad_buffer_bytes_are_refused_naming_the_field(bad: object) -> None:
 
 def test_auto_size_is_what_the_model_needs_capped_by_knee_and_free_memory() -> None:
     specs = WeightSender(Model(0)).specs()
-    needed = resolve_buffer_bytes("auto", specs, 2, 256, BufferHints(device="cpu"))
+    needed, count = resolve_buffers("auto", specs, 2, 256, BufferHints(device="cpu"))
     assert needed % 256 == 0 and sum(s.nbytes for s in specs) <= needed < sum(s.nbytes for s in specs) + 256 * 11
-    tight = resolve_buffer_bytes("auto", specs, 2, 256, BufferHints(device="cpu", free_bytes=(10**9, 8 * 4096)))
+    assert count == 2
+    tight, _ = resolve_buffers("auto", specs, 2, 256, BufferHints(device="cpu", free_bytes=(10**9, 8 * 4096)))
     assert tight == 4096  # a quarter of the smallest free memory, over two buffers
     assert tight < max(s.nbytes for s in specs)
-    assert resolve_buffer_bytes(8192, specs, 2, 256, BufferHints(device="cpu", free_bytes=(1,))) == 8192
+    assert resolve_buffers(8192, specs, 2, 256, BufferHints(device="cpu", free_bytes=(1,))) == (8192, 2)
 
 
 def _pair_sync(sender: WeightSender, receiver: WeightReceiver, call: SyncCall) -> Any:

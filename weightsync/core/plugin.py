@@ -204,6 +204,23 @@ def _no_chunks(manifest: Manifest) -> tuple[Chunk, ...]:
 Usability = Sequence[tuple[str, "str | None"]]
 
 
+class Slots(enum.Enum):
+    """How a transport uses the packing buffers (slots) the Manifest lays out, which
+    ``buffer_bytes="auto"`` sizes (:mod:`weightsync.core.wire.sizing`)."""
+
+    NONE = "none"
+    """It writes straight into the worker's tensors: no slots."""
+
+    OVERLAPPED = "overlapped"
+    """Packing chunk k+1 overlaps moving chunk k over a link or on another device, so
+    ``num_buffers`` slots rotate."""
+
+    ONE_DEVICE = "one device"
+    """Both sides copy through the slots on the trainer's device: on a GPU, whose
+    kernels from two processes are time-sliced, a second slot overlaps nothing and only
+    adds hand-offs, so ``"auto"`` puts the memory of ``num_buffers`` slots into one."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plugin:
     """What every plug-in declares: its name, its setup steps and the actions they run."""
@@ -277,6 +294,9 @@ class Transport(Plugin):
     """With ``Serving.EVERY``: checked once against all the ranks, before :attr:`fits` is
     checked against each (see :data:`FitEvery`); None: :attr:`fits` alone decides."""
 
+    slots: Slots = Slots.OVERLAPPED
+    """How it uses the Manifest's packing buffers (see :class:`Slots`)."""
+
     feeds_parts: bool = False
     """True when each part of a worker of several processes (``EndpointInfo.parts``: an
     engine's TP ranks) runs every worker action and receives its own bytes, from its own
@@ -300,6 +320,7 @@ class Transport(Plugin):
         if self.auto_rank is not None and not isinstance(self.auto_rank, int):
             raise SettingsError(f"transport {self.name!r}: auto_rank must be an int or None")
         object.__setattr__(self, "serving", Serving(self.serving))
+        object.__setattr__(self, "slots", Slots(self.slots))
 
     @property
     def commits_alone(self) -> bool:

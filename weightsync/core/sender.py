@@ -36,7 +36,7 @@ from weightsync.core.wire.manifest import Manifest, TensorSpec
 from weightsync.core.wire.messages import SendResult, SyncCall
 from weightsync.core.wire.session import TRAINER_PARTY, Session
 from weightsync.core.wire.settings import SyncSettings
-from weightsync.core.wire.sizing import BufferHints, free_memory_bytes, resolve_buffer_bytes
+from weightsync.core.wire.sizing import BufferHints, free_memory_bytes, resolve_buffers
 from weightsync.mechanisms.batched_copy import PlanKey, plan_key
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -103,7 +103,7 @@ class WeightSender:
 
     def manifest(self, settings: SyncSettings, hints: BufferHints | None = None, owner: str = "") -> Manifest:
         """Fix the wire contract for a new session from the model as it is now;
-        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (every party's free memory);
+        ``buffer_bytes="auto"`` is resolved here, from ``hints`` (:class:`BufferHints`);
         ``owner`` labels the coordinator setting it up."""
         self.close_transports()
         self.owner, self.closed_by = owner, ""
@@ -113,11 +113,11 @@ class WeightSender:
         specs = self.specs()
         if hints is None:
             hints = BufferHints(device=self.device.type, free_bytes=_known(free_memory_bytes(self.device)))
-        buffer_bytes = resolve_buffer_bytes(
+        buffer_bytes, num_buffers = resolve_buffers(
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
         manifest = Manifest.build(
-            specs, buffer_bytes, settings.num_buffers, settings.alignment, settings.inplace_bytes, settings.delta
+            specs, buffer_bytes, num_buffers, settings.alignment, settings.inplace_bytes, settings.delta
         )
         if adapter is not None:
             manifest = replace(manifest, adapter=adapter)

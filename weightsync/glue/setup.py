@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from weightsync.core import registry
-from weightsync.core.plugin import Mode, Serving
+from weightsync.core.plugin import Mode, Serving, Slots
 from weightsync.core.policy import judge
 from weightsync.core.wire.casts import count_casts
 from weightsync.core.wire.errors import SettingsError
@@ -38,6 +38,13 @@ from weightsync.glue.opening import open_plugin
 from weightsync.glue.steps import Steps
 
 log = logging.getLogger("weightsync")
+
+
+def slots_on_one_device(transports: Iterable[str]) -> bool:
+    """Whether every one of ``transports`` that uses slots fills and drains them on the
+    trainer's device alone (``Slots.ONE_DEVICE``), and one of them does."""
+    slots = {registry.get(kind).slots for kind in transports} - {Slots.NONE}
+    return slots == {Slots.ONE_DEVICE}
 
 
 class Setup:
@@ -115,10 +122,12 @@ class Setup:
             raise verdict.setup_error()
 
     def _hints(self) -> BufferHints:
-        """What ``buffer_bytes="auto"`` is sized from: the trainer's device, every party's free memory."""
+        """What ``buffer_bytes="auto"`` is sized from: the trainer's device, every party's free
+        memory, and whether every chosen transport with slots fills and drains them on one device."""
         lead = self.infos[self.ranks.lead]
         free = tuple(i.free_bytes for i in self.infos.values() if i.free_bytes is not None)
-        return BufferHints(device=lead.device, free_bytes=free)
+        one_device = slots_on_one_device(m.transport for m in self.membership.members.values())
+        return BufferHints(device=lead.device, free_bytes=free, one_device=one_device)
 
     def _manifest(self) -> Manifest:
         ranks = self.ranks

@@ -110,7 +110,9 @@ class SyncSettings:
     :mod:`weightsync.core.wire.sizing`), or a multiple of ``alignment``, which always wins."""
 
     num_buffers: int = DEFAULT_NUM_BUFFERS
-    """Buffers in rotation: with two or more, packing chunk k+1 overlaps moving chunk k."""
+    """Buffers in rotation: with two or more, packing chunk k+1 overlaps moving chunk k.
+    With ``buffer_bytes="auto"`` on a GPU whose slots are all ipc's (both sides copy on that
+    GPU, time-sliced: nothing to overlap), one slot holding the memory of this many."""
 
     alignment: int = DEFAULT_ALIGNMENT
     """Byte alignment of every tensor in a buffer (a power of two >= 16), so any dtype view is legal."""

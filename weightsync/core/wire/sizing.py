@@ -10,10 +10,16 @@ The size is the smallest of three bounds, rounded to the alignment:
   memory of the party with the least (each side of a broadcast holds its own buffers; ipc
   slots live on the trainer's device, in /dev/shm on CPU).
 
+On a GPU whose every slotted transport copies in and out of its slots on the trainer's
+device (``Slots.ONE_DEVICE``: ipc), the memory of ``num_buffers`` slots goes into one slot
+(measured: :func:`resolve_buffers`): the two processes' kernels are time-sliced, so a second slot
+overlaps nothing, and fewer, larger chunks mean fewer hand-offs between them.
+
 Call order: every party's :func:`free_memory_bytes` travels in its ``EndpointInfo``
-(``ws_describe``) -> the coordinator gathers them into :class:`BufferHints` -> the trainer's
-``WeightSender.manifest(settings, hints)`` calls :func:`resolve_buffer_bytes` and puts the
-number in the Manifest, which every worker checks like an explicit one.
+(``ws_describe``) -> the coordinator gathers them, and whether every slotted transport of
+the session shares the trainer's device, into :class:`BufferHints` -> the trainer's
+``WeightSender.manifest(settings, hints)`` calls :func:`resolve_buffers` and puts the size
+and count in the Manifest, which every worker checks like explicit ones.
 """
 
 from __future__ import annotations
@@ -56,12 +62,18 @@ class BufferHints:
     device: str
     #: Free memory of every party that reported it (bytes), the trainer's included.
     free_bytes: tuple[int, ...] = ()
+    #: Whether every transport of the session that uses slots copies through them on the
+    #: trainer's device alone (``Slots.ONE_DEVICE``), and one does: on a GPU, "auto" then
+    #: makes one slot.
+    one_device: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in KNEES:
             raise SettingsError(f"buffer hints: device must be one of {sorted(KNEES)}, got {self.device!r}")
         if any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in self.free_bytes):
             raise SettingsError(f"buffer hints: free_bytes must be non-negative integers, got {self.free_bytes!r}")
+        if not isinstance(self.one_device, bool):
+            raise SettingsError(f"buffer hints: one_device must be True or False, got {self.one_device!r}")
 
 
 def needed_bytes(specs: Sequence[TensorSpec], alignment: int) -> int:
@@ -72,17 +84,25 @@ def needed_bytes(specs: Sequence[TensorSpec], alignment: int) -> int:
     return align_up(max(cursor, 1), alignment)
 
 
-def resolve_buffer_bytes(
+def resolve_buffers(
     buffer_bytes: int | str, specs: Sequence[TensorSpec], num_buffers: int, alignment: int, hints: BufferHints
-) -> int:
-    """``buffer_bytes`` itself when it is a number; for ``"auto"`` the size described above."""
+) -> tuple[int, int]:
+    """The (size, count) of the slots: ``buffer_bytes`` and ``num_buffers`` themselves when
+    the size is a number; for ``"auto"`` the size described above, and on a GPU whose slots
+    are all filled and drained on one device, one slot holding the memory of ``num_buffers``."""
     if buffer_bytes != "auto":
         assert isinstance(buffer_bytes, int)
-        return buffer_bytes
-    size = min(needed_bytes(specs, alignment), KNEES[hints.device])
+        return buffer_bytes, num_buffers
+    # Measured on the H100 test machine, 2026-12-06 (docs/benchmarks.md, "One ipc slot on a
+    # GPU"): a 16.6 GB bf16 model over ipc, trainer and worker sharing the GPU, median of 18
+    # syncs in two interleaved rounds, slot size x count: 2 GiB x 2 28.49 ms, 4 GiB x 1 27.22,
+    # 8 GiB x 1 27.31, 4 GiB x 2 28.47, 2 GiB x 1 28.82, 1 GiB x 2 29.09, 1 GiB x 1 31.75. In
+    # the memory of two knee-sized slots, one slot is 4.5% faster; a larger one buys nothing.
+    slots = 1 if hints.one_device and hints.device == "cuda" else num_buffers
+    size = min(needed_bytes(specs, alignment), KNEES[hints.device] * num_buffers // slots)
     if hints.free_bytes:
-        size = min(size, int(min(hints.free_bytes) * MEMORY_SHARE) // num_buffers)
-    return max(alignment, size // alignment * alignment)
+        size = min(size, int(min(hints.free_bytes) * MEMORY_SHARE) // slots)
+    return max(alignment, size // alignment * alignment), slots
 
 
 def free_memory_bytes(device: torch.device) -> int | None:

@@ -216,7 +216,15 @@ class Bench:
             return
 
         note = f"{built.inplace_count} in place" if transport == "broadcast" and built.inplace_count else ""
-        case = Case(run.size, name, run.nbytes, built.agreed.buffer_bytes / MIB, nbuf, limit_s=limit, note=note)
+        case = Case(
+            run.size,
+            name,
+            run.nbytes,
+            built.agreed.buffer_bytes / MIB,
+            built.agreed.num_buffers,
+            limit_s=limit,
+            note=note,
+        )
 
         def one() -> float:
             report = ws.sync(self.next_version())

@@ -137,7 +137,7 @@ def _one_case(
     except Exception as exc:  # noqa: BLE001 - reported, counted in the exit code; the rest go on
         bench.not_run(size, name, exc)
         return
-    case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, DEFAULT_NUM_BUFFERS, limit_s=limit)
+    case = Case(size, name, nbytes, built.agreed.buffer_bytes / MIB, built.agreed.num_buffers, limit_s=limit)
 
     def one() -> float:
         report = ws.sync(bench.next_version())

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
-from weightsync.core.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
+from weightsync.core.plugin import Opening, Request, Serving, Slots, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.transports.direct.halves import DirectTarget, DirectWriter
@@ -104,4 +104,5 @@ DIRECT = Transport(
     auto_rank=10,
     send_order=10,
     usable_here=usable_here,
+    slots=Slots.NONE,
 )

@@ -16,7 +16,10 @@ records an interprocess CUDA event after packing a slot and publishes at once; a
 stream waits on it, unpacks, records its own event and acknowledges; the producer's stream
 waits on every consumer's event before packing that slot again. Each side synchronizes
 once, at the end of a sync. With CuPy, packing and unpacking a chunk are one launch of the
-batched copy kernel each (:mod:`weightsync.transports.ipc.slot_copies`). Chunks are
+batched copy kernel each (:mod:`weightsync.transports.ipc.slot_copies`). Two processes'
+kernels on one GPU take turns in time slices, so there a second slot overlaps nothing:
+with ``buffer_bytes="auto"`` the slots' memory goes into one (the plug-in declares
+``Slots.ONE_DEVICE``; :mod:`weightsync.core.wire.sizing`). Chunks are
 numbered from the session's start (the control block's counts; :mod:`~weightsync.transports.ipc.handoff`),
 so a sync may move any number of them: in a delta session (:mod:`weightsync.core.delta`)
 the first chunk of every sync is the delta header, and the chunks of the plan it

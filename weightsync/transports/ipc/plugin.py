@@ -14,7 +14,7 @@ finished.
 from __future__ import annotations
 
 from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
-from weightsync.core.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
+from weightsync.core.plugin import Opening, Request, Serving, Slots, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.transports.ipc.halves import IpcReceiver, IpcSender
@@ -70,4 +70,5 @@ IPC = Transport(
     auto_rank=20,
     send_order=20,
     usable_here=usable_here,
+    slots=Slots.ONE_DEVICE,
 )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from weightsync.core.owned_plan import OwnedLayout, agreed_layout, placements
 from weightsync.core.placement import colocated_or_why, gpu_reason, shm_reason
-from weightsync.core.plugin import Opening, Request, Serving, TrainerSide, Transport, WorkerSide
+from weightsync.core.plugin import Opening, Request, Serving, Slots, TrainerSide, Transport, WorkerSide
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.transports.direct.halves import DirectTarget
 from weightsync.transports.direct.messages import DirectExport
@@ -98,4 +98,5 @@ OWNER_WRITES = Transport(
     auto_rank=5,
     send_order=6,
     usable_here=usable_here,
+    slots=Slots.NONE,
 )
