@@ -4,10 +4,14 @@ time-sliced there, so a second slot overlaps nothing); everywhere else, unchange
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from weightsync import WeightSender
+from weightsync.core import registry
+from weightsync.core.plugin import Slots
 from weightsync.core.wire import SettingsError, SyncSettings
 from weightsync.core.wire.manifest import TensorSpec
 from weightsync.core.wire.settings import GIB, MIB
@@ -62,3 +66,9 @@ def test_which_sessions_fill_and_drain_every_slot_on_one_device() -> None:
 def test_bad_one_device_hint_is_refused_naming_it() -> None:
     with pytest.raises(SettingsError, match="one_device"):
         BufferHints(device="cuda", one_device="yes")  # type: ignore[arg-type]
+
+
+def test_a_transport_declaring_slots_wrongly_is_refused_naming_it_and_the_choices() -> None:
+    with pytest.raises(SettingsError, match=r"'ipc'.*slots.*Slots\.ONE_DEVICE"):
+        dataclasses.replace(registry.get("ipc"), slots="one device")
+    assert registry.get("ipc").slots is Slots.ONE_DEVICE and registry.get("direct").slots is Slots.NONE

@@ -320,7 +320,9 @@ class Transport(Plugin):
         if self.auto_rank is not None and not isinstance(self.auto_rank, int):
             raise SettingsError(f"transport {self.name!r}: auto_rank must be an int or None")
         object.__setattr__(self, "serving", Serving(self.serving))
-        object.__setattr__(self, "slots", Slots(self.slots))
+        if not isinstance(self.slots, Slots):
+            known = ", ".join(f"Slots.{s.name}" for s in Slots)
+            raise SettingsError(f"transport {self.name!r}: slots must be one of {known}, got {self.slots!r}")
 
     @property
     def commits_alone(self) -> bool:
