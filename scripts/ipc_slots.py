@@ -17,13 +17,12 @@ import argparse
 import statistics
 import time
 
-import ray
 import torch
 
 from weightsync import WeightSync
-from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.tools.cluster import connect
-from weightsync.tools.models import SIZES, PolicyFactory
+from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.models import SIZES
 
 
 def raw_copy_s(nbytes: int, device: str) -> float:
@@ -63,17 +62,7 @@ def main() -> None:
     unit = 1 << 30 if args.device == "cuda" else 1 << 20
     layouts = [parse_layout(t, unit) for t in args.layouts.split(",")]
     connect()
-    gpus = 0.5 if args.device == "cuda" else 0
-    trainer = (
-        ray.remote(TrainerHost)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 0, args.device), device=args.device)
-    )
-    worker = (
-        ray.remote(WorkerHost)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 1, args.device), device=args.device)
-    )
+    trainer, worker = colocated_pair(args.size, args.device)
     times: dict[str, list[float]] = {text: [] for text in args.layouts.split(",")}
     agreed: dict[str, str] = {}
     copy_s = 0.0

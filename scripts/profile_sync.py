@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from weightsync import WeightSync
-from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.tools.cluster import connect
-from weightsync.tools.models import PolicyFactory
+from weightsync.tools.colocated import colocated_pair
 
 #: Trace categories that are GPU work.
 _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -148,17 +147,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30, help="functions per side with --host (default: 30)")
     args = parser.parse_args()
     connect(num_cpus=4)
-    gpus = 0.5 if args.device == "cuda" else 0
-    trainer = (
-        ray.remote(TrainerHost)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 0, args.device), device=args.device)
-    )
-    worker = (
-        ray.remote(WorkerHost)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 1, args.device), device=args.device)
-    )
+    trainer, worker = colocated_pair(args.size, args.device)
     push = args.transport == "push"
     ws = WeightSync(trainer, [worker], transport="direct" if push else args.transport, push=push)
     built = ws.setup()

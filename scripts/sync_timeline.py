@@ -26,7 +26,7 @@ from weightsync.core.sender import WeightSender
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.mechanisms import batched_copy, streams
 from weightsync.tools.cluster import connect
-from weightsync.tools.models import PolicyFactory
+from weightsync.tools.colocated import colocated_pair
 from weightsync.transports.direct import halves as direct
 from weightsync.transports.ipc import slot_copies
 from weightsync.transports.push import listener
@@ -104,17 +104,7 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=30)
     args = parser.parse_args()
     connect(num_cpus=4)
-    gpus = 0.5 if args.device == "cuda" else 0
-    trainer = (
-        ray.remote(StampedTrainer)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 0, args.device), device=args.device)
-    )
-    worker = (
-        ray.remote(StampedWorker)
-        .options(num_cpus=0, num_gpus=gpus)
-        .remote(PolicyFactory(args.size, 1, args.device), device=args.device)
-    )
+    trainer, worker = colocated_pair(args.size, args.device, StampedTrainer, StampedWorker)
     push = args.transport == "push"
     ws = WeightSync(
         trainer, [worker], transport="direct" if push else args.transport, push=push, buffer_bytes=args.buffer_mib << 20

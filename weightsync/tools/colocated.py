@@ -1,0 +1,31 @@
+"""A trainer and a worker on one device, for the scripts that time or profile one colocated
+sync (``scripts/sync_timeline.py``, ``scripts/profile_sync.py``, ``scripts/ipc_slots.py``).
+
+Call order: ``connect()`` -> ``trainer, worker = colocated_pair(size, device)`` ->
+``WeightSync(trainer, [worker], ...)``. Subclasses of the actor classes (stamped or
+profiled ones) go in ``trainer_cls`` / ``worker_cls``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.tools.models import PolicyFactory
+
+
+def colocated_pair(
+    size: str, device: str, trainer_cls: type = TrainerHost, worker_cls: type = WorkerHost
+) -> tuple[Any, Any]:
+    """A trainer (seed 0) and a worker (seed 1) holding ``PolicyFactory(size)`` on ``device``,
+    at half a GPU each on CUDA and no CPU reserved, so both fit any machine with one."""
+    gpus = 0.5 if device == "cuda" else 0
+    trainer: Any = (
+        ray.remote(trainer_cls).options(num_cpus=0, num_gpus=gpus).remote(PolicyFactory(size, 0, device), device=device)
+    )
+    worker: Any = (
+        ray.remote(worker_cls).options(num_cpus=0, num_gpus=gpus).remote(PolicyFactory(size, 1, device), device=device)
+    )
+    return trainer, worker
