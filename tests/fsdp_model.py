@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.helpers import loads_by_name
+
 
 class TinyLM(nn.Module):
     """Embedding, a few MLP blocks, a head (optionally tied to the embedding), a buffer."""
@@ -258,15 +260,4 @@ def nudge_own(model: nn.Module, seed: int) -> None:
 def loading_lm(seed: int = 0, **shape: Any) -> nn.Module:
     """:func:`plain_lm` that also loads the way engines do: ``load_weights`` by name."""
     model = plain_lm(seed, **shape)
-    held = dict([*model.named_parameters(), *model.named_buffers()])
-
-    def load_weights(weights: Any) -> set[str]:
-        names = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                held[name].copy_(tensor)
-                names.add(name)
-        return names
-
-    model.load_weights = load_weights  # type: ignore[assignment]
-    return model
+    return loads_by_name(model, dict([*model.named_parameters(), *model.named_buffers()]))

@@ -83,6 +83,22 @@ class MixedModel(nn.Module):
         self.register_buffer("scratch", torch.zeros(4), persistent=False)
 
 
+def loads_by_name(model: nn.Module, held: dict[str, torch.Tensor]) -> nn.Module:
+    """``model`` with an engine's way of loading: ``load_weights(pairs)`` copies each pair
+    into ``held[name]`` and returns the names loaded."""
+
+    def load_weights(weights: Any) -> set[str]:
+        names = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                held[name].copy_(tensor)
+                names.add(name)
+        return names
+
+    model.load_weights = load_weights  # type: ignore[assignment]
+    return model
+
+
 def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Run inside an actor: a CPU copy of every synced tensor."""
     return {name: t.detach().cpu().clone() for name, t in module_tensors(model)}

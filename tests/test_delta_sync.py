@@ -15,7 +15,7 @@ from torch import nn
 
 import weightsync
 from tests.catalogue import Loading, arm, assert_workers_match, get, worker_of
-from tests.helpers import MixedModel, perturb
+from tests.helpers import MixedModel, loads_by_name, perturb
 from weightsync import TrainerActor
 from weightsync.core.sinks import module_tensors
 from weightsync.glue.actors import WorkerHost
@@ -33,18 +33,7 @@ def policy(dtype: str, seed: int) -> nn.Module:
 def loading_policy(seed: int) -> nn.Module:
     """A bf16 policy that loads the way engines do: ``load_weights`` by name, a copy each."""
     model = policy("bfloat16", seed)
-    held = dict(module_tensors(model))
-
-    def load_weights(weights: Any) -> set[str]:
-        names = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                held[name].copy_(tensor)
-                names.add(name)
-        return names
-
-    model.load_weights = load_weights  # type: ignore[assignment]
-    return model
+    return loads_by_name(model, dict(module_tensors(model)))
 
 
 def wire_state(model: nn.Module) -> dict[str, torch.Tensor]:
