@@ -8,7 +8,8 @@ decides how many hand-offs a sync pays (docs/benchmarks.md, "One ipc slot on a G
 A layout is ``GIBxCOUNT`` (``num_buffers`` slots of that many GiB; on CPU MiB) or ``auto``
 (the library's default). Each round syncs every layout in turn (a fresh setup, two warm-up
 syncs, then ``--syncs`` timed), so a drift of the machine touches every layout alike; prints
-each layout as agreed, its median and its share of two raw copies measured first.
+each layout as agreed, its median and its share of two raw copies (the bench's raw limit,
+timed in the trainer).
 """
 
 from __future__ import annotations
@@ -17,31 +18,13 @@ import argparse
 import statistics
 import time
 
-import torch
+import ray
 
 from weightsync import WeightSync
+from weightsync.tools.bench import probes
 from weightsync.tools.cluster import connect
 from weightsync.tools.colocated import colocated_pair
 from weightsync.tools.models import SIZES
-
-
-def raw_copy_s(nbytes: int, device: str) -> float:
-    """One copy of a buffer of ``nbytes`` on ``device`` (median of 5, after a warm-up)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    del src, dst
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return statistics.median(times[1:])
 
 
 def parse_layout(text: str, unit: int) -> tuple[int | str, int]:
@@ -72,7 +55,8 @@ def main() -> None:
             ws = WeightSync(trainer, [worker], transport="ipc", buffer_bytes=size, num_buffers=count)
             manifest = ws.setup()
             if not copy_s:
-                copy_s = raw_copy_s(manifest.total_bytes, args.device)
+                # The bench's raw limit, in the trainer: one copy of a buffer of the model's size.
+                copy_s = ray.get(trainer.call.remote(probes.raw_copy_seconds, manifest.total_bytes, 5), timeout=600)
             agreed[text] = f"{manifest.agreed.buffer_bytes / unit:g} x {manifest.agreed.num_buffers}"
             agreed[text] += f", {len(manifest.chunks)} chunks"
             for i in range(args.syncs + 2):
