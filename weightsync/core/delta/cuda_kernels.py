@@ -7,8 +7,9 @@ base at once, and its changed elements (index, new bits) go to the outputs, each
 block reserving its run of slots with one atomic add. So the outputs come in blocks'
 order, not in index order: a payload made here is always INDICES, whose positions may come
 in any order (each index once); a block lists its tile's changes row by row (a row: one
-word of each thread, adjacent words), so they come in index order within a row. :func:`assemble` copies every INDICES
-payload of a sync out of those outputs in one launch. :func:`scatter` writes a payload's
+word of each thread, adjacent words), so they come in index order within a row.
+:func:`assemble` copies every INDICES payload of a sync out of those outputs in one
+launch. :func:`scatter` writes a payload's
 values into a tensor, and :func:`scatter_rows` those of many payloads in one launch,
 counting indices outside it into a device counter (read once per sync, not per tensor).
 The kernels' source: :mod:`weightsync.core.delta.cuda_source`.
