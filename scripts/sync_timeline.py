@@ -24,6 +24,7 @@ import ray
 from weightsync import WeightSync
 from weightsync.core.sender import WeightSender
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.glue.replies import on_board
 from weightsync.mechanisms import batched_copy, streams
 from weightsync.tools.cluster import connect
 from weightsync.tools.colocated import colocated_pair
@@ -65,9 +66,13 @@ class StampedTrainer(TrainerHost):
         self.__dict__.setdefault("stamps", []).append((start, time.time()))
         return out
 
+    # Stamped inside the answer the coordinator reads from its reply board, as the
+    # library's own sync methods are (their answers skip Ray's return leg).
+    @on_board
     def ws_send(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().ws_send, *args, **kwargs)
 
+    @on_board
     def ws_push(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().ws_push, *args, **kwargs)
 
@@ -85,6 +90,7 @@ class StampedWorker(WorkerHost):
         _stamped(slot_copies.UnpackPlans, "unpack", self.unpacks)
         _stamped(listener.Listener, "_serve", self.receives)  # push mode: the listener's sync
 
+    @on_board
     def ws_receive(self, *args: Any, **kwargs: Any) -> Any:
         start = time.time()
         out = super().ws_receive(*args, **kwargs)

@@ -88,7 +88,9 @@ class WeightSync:
     the trainer's model is a PEFT model and only its LoRA adapter travels (its config is
     agreed in the handshake; see :mod:`weightsync.core.lora`). ``delta``: send each worker
     only the elements that changed since the bytes it holds (``delta_keyframe``,
-    ``delta_base``: see :class:`~weightsync.core.wire.settings.SyncSettings`).
+    ``delta_base``: see :class:`~weightsync.core.wire.settings.SyncSettings`). ``reply_board``:
+    the parties on this host answer a sync's calls through shared memory as well as through
+    Ray (:mod:`weightsync.glue.replies`; on by default).
 
     ``trainer`` is one actor, or the ranks of one sharded trainer in rank order (parties
     ``trainer-rank-<i>``, see :mod:`weightsync.glue.ranks`): rank 0 serves the broadcast
@@ -131,6 +133,7 @@ class WeightSync:
         delta: bool | None = None,
         delta_keyframe: int | None = None,
         delta_base: DeltaBase | None = None,
+        reply_board: bool | None = None,
     ) -> None:
         self.settings = resolve_settings(
             settings,
@@ -145,6 +148,7 @@ class WeightSync:
             delta=delta,
             delta_keyframe=delta_keyframe,
             delta_base=delta_base,
+            reply_board=reply_board,
         )
         self.ranks = ranks = TrainerRanks(trainer)
         check_options(backend, push, ranks)

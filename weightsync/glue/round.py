@@ -16,6 +16,9 @@ A round, as :class:`Round` runs it::
                                                                      checksums)
     gather once -> each party's final outcome -> all ok, or the failure policy
 
+The parties on the coordinator's host answer on its reply board as well as through Ray
+(:mod:`weightsync.glue.replies`), which spares a colocated sync Ray's return leg.
+
 In push mode a round is one call, to the trainer, which wakes the listening workers
 itself. On a failure (:meth:`Round.fail`): the policy's verdict names the culprits, dead
 workers are dropped, every worker that can still answer settles (a worker left mid-write
@@ -89,11 +92,16 @@ class Round:
         # are told which of them wait for that call rather than commit in their receive.
         chained = {m.name for m in members if call.verify or not commits_alone(m)}
         call = replace(call, chained=tuple(sorted(chained)))
+        replies = self.steps.replies.round()
+
+        def told(key: tuple[str, str], told_call: SyncCall) -> SyncCall:
+            return replies.call(key, told_call) if replies is not None else told_call
+
         for r, (rank, handle) in enumerate(self.ranks.parties().items()):
             mine = [m.name for m in members if m.rank == r or m.name in every]
-            calls[(rank, "send")] = handle.ws_send.remote(TrainerRanks.call_for(call, mine))
+            calls[(rank, "send")] = handle.ws_send.remote(told((rank, "send"), TrainerRanks.call_for(call, mine)))
         for m in members:
-            calls[(m.name, "receive")] = m.handle.ws_receive.remote(call)
+            calls[(m.name, "receive")] = m.handle.ws_receive.remote(told((m.name, "receive"), call))
         reference = calls[(lead, "send")]
         waits: dict[str, set[str]] = {}  # per chained commit, whose answers Ray waits for
         for m in (m for m in members if m.name in chained):
@@ -101,9 +109,9 @@ class Round:
             sent = [calls[(server, "send")] for server in servers]
             waits[m.name] = {*servers, *([lead] if call.verify else [])}
             calls[(m.name, "commit")] = m.handle.ws_commit.remote(
-                call, calls[(m.name, "receive")], reference if call.verify else None, *sent
+                told((m.name, "commit"), call), calls[(m.name, "receive")], reference if call.verify else None, *sent
             )
-        outs = self.steps.gather(calls)
+        outs = self.steps.gather(calls, replies=replies)
         final = {rank: outs[(rank, "send")] for rank in self.ranks.names}
         for m in members:
             received = outs[(m.name, "receive")]
@@ -122,7 +130,10 @@ class Round:
         lead = self.ranks.lead
         trainer = self.ranks.handles[0]
         for attempt in range(2):
-            o = self.steps.gather({(lead, "push"): trainer.ws_push.remote(call, self.steps.owner)})[(lead, "push")]
+            replies = self.steps.replies.round()
+            key = (lead, "push")
+            pushed = replies.call(key, call) if replies is not None else call
+            o = self.steps.gather({key: trainer.ws_push.remote(pushed, self.steps.owner)}, replies=replies)[key]
             verdict = judge({lead: o}, f"sync failed {when}")
             if verdict is not None:
                 self.fail(verdict)

@@ -5,6 +5,8 @@ Every step is one set of Ray calls, submitted together and judged by the failure
 
     close       every party closes what the last session left open
     describe    every party says where it lives (node, device, GPU, free memory, sink)
+    board       the parties on the coordinator's host take its reply board
+                (:mod:`weightsync.glue.replies`), to answer sync calls on it
     choose      per worker: the trainer rank serving it and its transport (registry, choice)
     manifest    every trainer rank builds the manifest of its model; with ranks, each rank's
                 layout too; ranks that disagree are refused by name
@@ -80,6 +82,10 @@ class Setup:
             "describing the parties",
         )
         self.infos = {p: o.value for p, o in outs.items()}
+        if self.settings.reply_board:
+            self.steps.replies.offer(handles, self.infos, self.steps.gather)
+        else:
+            self.steps.replies.close()
         self._choose()
         manifest = self._manifest()
         self._accept(manifest)

@@ -19,6 +19,7 @@ from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import Deadlines
 from weightsync.glue.calls import gather
 from weightsync.glue.membership import Membership
+from weightsync.glue.replies import Replies, ReplyRound
 
 log = logging.getLogger("weightsync")
 Calls = Mapping[tuple[str, str], Any]
@@ -34,13 +35,19 @@ class Steps:
         self.owner = owner
         #: Called whenever a teardown ran: the coordinator is no longer set up.
         self.on_teardown: Callable[[], None] = lambda: None
+        #: The reply board of the parties on this host (offered at setup, see Setup).
+        self.replies = Replies(owner)
 
     @property
     def deadlines(self) -> Deadlines:
         return self._deadlines()
 
-    def gather(self, calls: Calls, timeout_s: float | None = None) -> dict[tuple[str, str], Outcome]:
-        return gather(calls, timeout_s or self.deadlines.coordinator_s, self.membership.handles())
+    def gather(
+        self, calls: Calls, timeout_s: float | None = None, replies: ReplyRound | None = None
+    ) -> dict[tuple[str, str], Outcome]:
+        """Every call's outcome (see :func:`~weightsync.glue.calls.gather`); ``replies``: the
+        round whose reply board carries some of them."""
+        return gather(calls, timeout_s or self.deadlines.coordinator_s, self.membership.handles(), replies)
 
     def run(self, calls: Calls, when: str, timeout_s: float | None = None) -> dict[str, Outcome]:
         """One setup step: every call's outcome by party (a party's failure wins over its
@@ -73,6 +80,8 @@ class Steps:
         for (party, _), o in self.gather(calls).items():
             if not o.ok:
                 log.warning("weightsync: teardown on %s: %s", party, o.line())
+        if forget:
+            self.replies.close()
 
     def close_call(self, party: str, handle: Any, abort: bool, why: str, forget: bool = False) -> Any:
         """The teardown call of ``party`` for this coordinator's session (a worker another

@@ -31,12 +31,13 @@ from weightsync.core.sender import WeightSender
 from weightsync.core.sharded import ShardedSender, has_dtensors
 from weightsync.core.wire.errors import SettingsError, SyncError, WeightSyncError
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import EndpointInfo, PushResult, SourceLayout, SyncCall
+from weightsync.core.wire.messages import BoardOffer, EndpointInfo, PushResult, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
+from weightsync.glue.replies import accept_board, on_board
 
 #: How many closed sessions a trainer party remembers (who closed them), for the message
 #: of a push asked of one.
@@ -150,6 +151,7 @@ class TrainerMixin:
             lambda: plugin.action("trainer", action)(self._ws(owner), *args),
         )
 
+    @on_board
     def ws_send(self, call: SyncCall) -> Outcome:
         """The trainer's side of one sync (in the session of ``call.owner``); each worker's
         receive runs alongside it."""
@@ -158,7 +160,13 @@ class TrainerMixin:
     def ws_checksums(self, owner: str = "") -> Outcome:
         return answer(self._me(owner), "checksums", lambda: self._ws(owner).checksums())
 
+    def ws_reply_board(self, offer: BoardOffer) -> Outcome:
+        """Take coordinator ``offer.owner``'s reply board: answers "" once this actor will
+        answer its sync calls there too, else why not (:mod:`weightsync.glue.replies`)."""
+        return answer(offer.party, "reply board", accept_board, self, offer)
+
     # push mode ----------------------------------------------------------------------------
+    @on_board
     def ws_push(self, call: SyncCall, owner: str = "") -> Outcome:
         """Push mode: one sync of the listening workers of coordinator ``owner``'s session
         (``WeightSync.sync`` calls this)."""

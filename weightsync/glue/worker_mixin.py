@@ -24,11 +24,12 @@ from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sinks import ModuleSink, Sink
 from weightsync.core.wire.casts import TensorCast
 from weightsync.core.wire.manifest import Manifest
-from weightsync.core.wire.messages import EndpointInfo, SyncCall
+from weightsync.core.wire.messages import BoardOffer, EndpointInfo, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
+from weightsync.glue.replies import REPLYING, accept_board, on_board
 
 
 class WorkerMixin:
@@ -118,16 +119,23 @@ class WorkerMixin:
         with self._wr().reading():
             yield
 
+    @on_board
     def ws_receive(self, call: SyncCall) -> Outcome:
         """This worker's side of one sync (every transport); commits unless it is a broadcast."""
         return answer(self._me(), "receive", self._wr().receive, call)
 
+    @on_board
     def ws_commit(self, call: SyncCall, received: Outcome, reference: Outcome | None, *sent: Outcome) -> Outcome:
         """A broadcast worker (every worker, with verify) takes the version once its own
         receive, the side of every trainer party serving it and, with verify, the reference
         trainer party's side are known. They arrive as Ray object refs, so Ray starts this as
         soon as all answered."""
         return answer(self._me(), "commit", self._wr().commit, call, received, reference, *sent)
+
+    def ws_reply_board(self, offer: BoardOffer) -> Outcome:
+        """Take coordinator ``offer.owner``'s reply board: answers "" once this actor will
+        answer its sync calls there too, else why not (:mod:`weightsync.glue.replies`)."""
+        return answer(offer.party, "reply board", accept_board, self, offer)
 
     def ws_settle(self, owner: str = "") -> Outcome:
         return answer(self._me(), "settle", self._wr().settle, owner)
@@ -155,6 +163,9 @@ class WorkerMixin:
 WORKER_PROTOCOL: tuple[str, ...] = tuple(
     name for name in vars(WorkerMixin) if name.startswith("ws_") and callable(getattr(WorkerMixin, name))
 )
+#: Of those, the ones a forwarding actor answers itself: it is the party the coordinator
+#: calls, so the reply board is mapped there.
+LOCAL = ("ws_reply_board",)
 
 
 def forward_worker_protocol(cls: type) -> type:
@@ -181,9 +192,11 @@ def forward_worker_protocol(cls: type) -> type:
 
         call.__name__ = call.__qualname__ = method
         call.__doc__ = f"Forwards {method} to the processes holding the model."
-        return call
+        # The answer this actor returns (after its own work around the forwarded call) is
+        # the one it leaves on the coordinator's reply board.
+        return on_board(call) if method in REPLYING else call
 
     for method in WORKER_PROTOCOL:
         if method not in vars(cls):
-            setattr(cls, method, forwarder(method))
+            setattr(cls, method, WorkerMixin.ws_reply_board if method in LOCAL else forwarder(method))
     return cls

@@ -52,8 +52,13 @@ import ray
 
 from weightsync import TensorSpec
 from weightsync.core.stage import check_place
+from weightsync.core.wire.messages import BoardOffer
+from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
+from weightsync.glue import protocol
 from weightsync.glue.actors import WORKER_PROTOCOL
+from weightsync.glue.replies import REPLYING, accept_board, on_board
+from weightsync.glue.worker_mixin import LOCAL
 from weightsync.vllm.async_hold import AsyncHolding
 from weightsync.vllm.checkpoint import engine_specs
 from weightsync.vllm.codec import Call, Reply, decode_reply, encode_call, unwrap
@@ -81,11 +86,15 @@ def forward_worker_protocol_async(cls: type) -> type:
 
         call.__name__ = call.__qualname__ = method
         call.__doc__ = f"Forwards {method} to the vLLM workers."
-        return call
+        return on_board(call) if method in REPLYING else call
+
+    async def ws_reply_board(self: Any, offer: BoardOffer) -> Outcome:
+        """Take the coordinator's reply board here, in the actor it calls."""
+        return protocol.answer(offer.party, "reply board", accept_board, self, offer)
 
     for method in WORKER_PROTOCOL:
         if method not in vars(cls):
-            setattr(cls, method, forwarder(method))
+            setattr(cls, method, ws_reply_board if method in LOCAL else forwarder(method))
     return cls
 
 

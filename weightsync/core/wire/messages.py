@@ -134,6 +134,34 @@ RegionHandle = ShmHandle | CudaIpcHandle
 
 
 @dataclass(frozen=True, kw_only=True)
+class BoardOffer:
+    """A coordinator's reply board (:mod:`weightsync.mechanisms.board`), offered at setup to
+    ``party``, one of its parties on its host: where to leave its answers to sync calls."""
+
+    board: ShmHandle
+    slots: int
+    slot_bytes: int
+    #: The coordinator's label (``WeightSync.label``); its board replaces an earlier one.
+    owner: str
+    party: str
+    #: Where to ring once an answer is posted (the coordinator's doorbell, its key), so a
+    #: coordinator on a busy CPU sleeps instead of polling.
+    doorbell: str
+    doorbell_key: bytes
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.slots) and self.slots >= 1 and _is_int(self.slot_bytes) and self.slot_bytes >= 8,
+            f"a reply board needs slots >= 1 and slot_bytes >= 8, got {self.slots!r} and {self.slot_bytes!r}",
+        )
+        _require(bool(self.party) and isinstance(self.owner, str), "a reply board is offered to a named party")
+        _require(
+            bool(self.doorbell) and isinstance(self.doorbell_key, bytes),
+            f"a reply board needs the coordinator's doorbell, got {self.doorbell!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncCall:
     """What every party of one sync is told: the same numbers on every side.
 
@@ -165,9 +193,23 @@ class SyncCall:
     #: base and every worker holds once it commits (0: each trainer party picks its own).
     #: One name for every rank, so a worker fed by several ranks (owner sends) holds one.
     delta_token: int = 0
+    #: Where this party also leaves its answer to the call: (slot, round tag) of the reply
+    #: board of coordinator ``owner`` (:mod:`weightsync.glue.replies`); None: through Ray only.
+    reply: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(
+            self.reply is None
+            or (
+                isinstance(self.reply, tuple)
+                and len(self.reply) == 2
+                and all(_is_int(n) for n in self.reply)
+                and self.reply[0] >= 0
+                and self.reply[1] >= 1
+            ),
+            f"a reply slot is None or (slot >= 0, round tag >= 1), got {self.reply!r}",
+        )
         _require(isinstance(self.owner, str), f"a sync's owner must be a coordinator's label, got {self.owner!r}")
         _require(
             isinstance(self.delta_holds, tuple) and all(isinstance(w, str) and _is_int(t) for w, t in self.delta_holds),

@@ -194,9 +194,11 @@ class Bench:
         limit: float | None,
         members: list[Any],
         inplace_bytes: int | None = None,
+        reply_board: bool = True,
     ) -> None:
         """One weightsync case; ``buffer_mib=None``: the library's default ("auto");
-        ``inplace_bytes=None``: the library's default threshold."""
+        ``inplace_bytes=None``: the library's default threshold; ``reply_board=False``: every
+        answer through Ray."""
         from weightsync.glue.coordinator import WeightSync
 
         base = self.memory_base(run.parties)
@@ -208,6 +210,7 @@ class Bench:
             num_buffers=nbuf,
             inplace_bytes=inplace_bytes,
             timeout_s=self.timeout_s,
+            reply_board=reply_board,
         )
         try:
             built = ws.setup()
@@ -235,13 +238,16 @@ class Bench:
         ws.close()
 
     def colocated_cases(self, run: SizeRun) -> None:
-        """ipc and direct at the library's defaults, push mode, a staged worker's swap, and
-        (without ``--quick``) the ipc knob sweep and the reference design."""
+        """ipc and direct at the library's defaults (and with every answer through Ray, as
+        before the reply board), push mode, a staged worker's swap, and (without ``--quick``)
+        the ipc knob sweep and the reference design."""
         args, worker = self.args, run.workers[0]
         for transport in ("ipc", "direct"):
             if transport in args.transports:
+                name = f"weightsync {transport}"
+                self.sync_case(run, name, transport, None, DEFAULT_NUM_BUFFERS, run.copy_s, [worker])
                 self.sync_case(
-                    run, f"weightsync {transport}", transport, None, DEFAULT_NUM_BUFFERS, run.copy_s, [worker]
+                    run, f"{name}, Ray answers", transport, None, DEFAULT_NUM_BUFFERS, run.copy_s, [worker], None, False
                 )
         if "direct" in args.transports:
             self.push_cases(run.size, run.trainer, worker, run.nbytes, run.copy_s)

@@ -105,7 +105,29 @@ def ratios(cases: list[Case], size: str, receivers: int) -> list[str]:
             f"{size:>6} ratio {label:<38} {limit / case.median:7.1%}   "
             f"({limit * 1e3:.2f} ms{' (2 x copy)' if factor == 2 else ''} against {case.median * 1e3:.2f} ms)"
         )
-    return lines + _sharded_ratios(cases, size, receivers) + _engine_ratios(cases, size) + _lora_ratios(cases, size)
+    return (
+        lines
+        + _board_ratios(cases, size)
+        + _sharded_ratios(cases, size, receivers)
+        + _engine_ratios(cases, size)
+        + _lora_ratios(cases, size)
+    )
+
+
+def _board_ratios(cases: list[Case], size: str) -> list[str]:
+    """Per colocated transport, its sync with every answer through Ray against the same sync
+    answered on the reply board (above 1x: the board is faster), and the time it saves."""
+    lines = []
+    for transport in ("ipc", "direct"):
+        board = next((c for c in cases if c.size == size and c.name == f"weightsync {transport}"), None)
+        ray = next((c for c in cases if c.size == size and c.name == f"weightsync {transport}, Ray answers"), None)
+        if board is not None and ray is not None:
+            lines.append(
+                f"{size:>6} ratio {transport + ': Ray answers / reply board':<38} {ray.median / board.median:6.2f}x  "
+                f"({ray.median * 1e3:.2f} ms against {board.median * 1e3:.2f} ms: "
+                f"{(ray.median - board.median) * 1e3:.2f} ms saved)"
+            )
+    return lines
 
 
 def _lora_ratios(cases: list[Case], size: str) -> list[str]:
