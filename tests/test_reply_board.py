@@ -219,6 +219,8 @@ def test_every_answer_of_a_sync_on_this_host_comes_from_the_board_and_the_weight
     trainer, workers = _pair(actors, n=2)
     with WeightSync(trainer, workers, transport=transport) as ws:
         assert ws._steps.replies.parties == {"trainer", "worker-0", "worker-1"}
+        round_ = ws._steps.replies.round()
+        assert round_ is not None and round_.doorbell is not None  # CPU parties: it sleeps on it
         for version in (1, 2, 3):
             get(trainer.call.remote(perturb, version))
             through_ray.clear()
@@ -364,3 +366,57 @@ def test_an_override_wrapped_too_posts_its_own_answer_after_the_mixins(board: Re
     assert party.ws_receive(_call(0, 5)) == "the mixin's answer, then the override's"
     assert seen_inside == [None]
     assert pickle.loads(board.take(0, 5))[2] == "the mixin's answer, then the override's"  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport", ["direct", "ipc"])
+def test_on_a_gpu_the_coordinator_polls_the_board_and_every_answer_comes_from_it(
+    transport: str, actors: Any, through_ray: list[tuple[str, str]]
+) -> None:
+    from tests.test_cuda import gpu_pair
+    from weightsync.tools.models import PolicyFactory, train_step
+
+    trainer, workers = gpu_pair(
+        actors, PolicyFactory("30mb", 0, "cuda"), worker_factory=PolicyFactory("30mb", 1, "cuda")
+    )
+    with WeightSync(trainer, workers, transport=transport) as ws:
+        round_ = ws._steps.replies.round()
+        assert round_ is not None and round_.doorbell is None  # parties copy on the GPU: it polls
+        for version in (1, 2, 3):
+            get(trainer.call.remote(train_step, version))
+            through_ray.clear()
+            assert ws.sync(version, verify=version == 3).workers[0].version == version
+            assert through_ray == []
+        assert_workers_match(trainer, workers)
+
+
+def test_an_actor_class_pickled_by_value_keeps_its_wrapped_sync_method() -> None:
+    """Ray pickles a class defined in a script's __main__ (here: in a function) by value."""
+    from ray import cloudpickle
+
+    class ScriptTrainer(TrainerHost):
+        @on_board
+        def ws_send(self, *args: Any, **kwargs: Any) -> Any:
+            return super().ws_send(*args, **kwargs)
+
+    again = cloudpickle.loads(cloudpickle.dumps(ScriptTrainer))
+    assert accept_board(again.__new__(again), _offer(ReplyBoard.create(1, 64))) == ""
+
+
+def test_a_forwarding_actor_class_gets_sync_methods_of_its_own_that_answer_on_the_board() -> None:
+    """Ray marks an actor's method functions (a concurrency group, as the vLLM engine's
+    are): a function shared with WorkerMixin would carry the mark to every other worker class."""
+    from weightsync.glue.actors import WORKER_PROTOCOL, WorkerMixin, forward_worker_protocol
+
+    @forward_worker_protocol
+    class Forwarding:
+        def forward_weightsync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            return ok("engine", method, None)
+
+    for method in WORKER_PROTOCOL:
+        assert vars(Forwarding)[method] is not getattr(WorkerMixin, method), method
+    engine = Forwarding()
+    with ReplyBoard.create(2, 256) as board:
+        assert accept_board(engine, _offer(board)) == ""
+        engine.ws_receive(_call(1, 6))  # type: ignore[attr-defined]
+        assert pickle.loads(board.take(1, 6))[2] == ok("engine", "ws_receive", None)  # type: ignore[arg-type]

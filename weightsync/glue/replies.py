@@ -54,9 +54,6 @@ REPLYING = ("ws_send", "ws_receive", "ws_commit", "ws_push")
 _KEPT = 8
 _HELD = "_ws_reply_boards"
 _MARK = "_ws_answers_on_board"
-#: How long a party's ring may wait for room in the coordinator's doorbell queue (full only
-#: when something floods it; the coordinator then sees the answer at its next look).
-_RING_S = 0.01
 
 Key = tuple[str, str]
 Gather = Callable[[Mapping[Key, Any]], dict[Key, Outcome]]
@@ -73,45 +70,55 @@ def on_board(method: F) -> F:
     error) comes through Ray. An ``async`` method stays one. Only the outermost wrapped
     method of a call posts (an override wrapped too that calls ``super()``'s posts what it
     returns, after its own work), so the board carries what Ray returns."""
+    # The wrappers refer only to module-level functions, so a class defined in a script's
+    # __main__ (which Ray pickles by value) still pickles.
     if inspect.iscoroutinefunction(method):
 
         @functools.wraps(method)
         async def waiting(self: Any, call: SyncCall, *args: Any, **kwargs: Any) -> Any:
-            outer = _INSIDE.get() is None
-            token = _INSIDE.set(True)
-            try:
-                value = await method(self, call, *args, **kwargs)
-            except BaseException:
-                if outer:
-                    post_reply(self, call, None, failed=True)
-                raise
-            finally:
-                _INSIDE.reset(token)
-            if outer:
-                post_reply(self, call, value)
-            return value
+            return await _answered_async(method, self, call, args, kwargs)
 
         setattr(waiting, _MARK, True)
         return waiting  # type: ignore[return-value]
 
     @functools.wraps(method)
     def plain(self: Any, call: SyncCall, *args: Any, **kwargs: Any) -> Any:
-        outer = _INSIDE.get() is None
-        token = _INSIDE.set(True)
-        try:
-            value = method(self, call, *args, **kwargs)
-        except BaseException:
-            if outer:
-                post_reply(self, call, None, failed=True)
-            raise
-        finally:
-            _INSIDE.reset(token)
-        if outer:
-            post_reply(self, call, value)
-        return value
+        return _answered(method, self, call, args, kwargs)
 
     setattr(plain, _MARK, True)
     return plain  # type: ignore[return-value]
+
+
+def _answered(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
+    outer = _INSIDE.get() is None
+    token = _INSIDE.set(True)
+    try:
+        value = method(actor, call, *args, **kwargs)
+    except BaseException:
+        if outer:
+            post_reply(actor, call, None, failed=True)
+        raise
+    finally:
+        _INSIDE.reset(token)
+    if outer:
+        post_reply(actor, call, value)
+    return value
+
+
+async def _answered_async(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
+    outer = _INSIDE.get() is None
+    token = _INSIDE.set(True)
+    try:
+        value = await method(actor, call, *args, **kwargs)
+    except BaseException:
+        if outer:
+            post_reply(actor, call, None, failed=True)
+        raise
+    finally:
+        _INSIDE.reset(token)
+    if outer:
+        post_reply(actor, call, value)
+    return value
 
 
 def accept_board(actor: Any, offer: BoardOffer) -> str:
@@ -150,8 +157,12 @@ def post_reply(actor: Any, call: SyncCall, value: Any, failed: bool = False) -> 
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             log.debug("weightsync: %s's answer does not pickle (%s); it goes through Ray", offer.party, exc)
     board.post(slot, tag, data)
+    if not offer.doorbell:
+        return  # the coordinator polls
     try:
-        ring(offer.doorbell, offer.doorbell_key, time.monotonic() + _RING_S, "the coordinator")
+        # Never waits: a full queue (the coordinator behind on draining it, or something
+        # flooding it) costs only the wake-up; the coordinator reads the board at its next look.
+        ring(offer.doorbell, offer.doorbell_key, time.monotonic(), "the coordinator")
     except TransferTimeout as exc:
         log.debug("weightsync: %s's answer is posted; its ring was not taken (%s)", offer.party, exc)
 
@@ -196,7 +207,6 @@ class Replies:
         self._board: ReplyBoard | None = None
         self._parties: frozenset[str] = frozenset()
         self._doorbell: Doorbell | None = None
-        self._sleeps = True
         self._tag = 0
 
     @property
@@ -215,7 +225,10 @@ class Replies:
         # Each round's calls: a send per trainer party, a receive and a commit per worker.
         slots = 2 * len(handles)
         board = ReplyBoard.create(slots, SLOT_BYTES)
-        doorbell = Doorbell()
+        # Parties copying on a GPU leave the host's cores idle: polling finds their answers
+        # sooner than a sleeping coordinator wakes. On a CPU polling would take a core from
+        # the copies, so the coordinator sleeps on a doorbell each answer rings.
+        doorbell = None if any(infos[p].device == "cuda" for p in near) else Doorbell()
 
         def offered(party: str) -> BoardOffer:
             return BoardOffer(
@@ -224,8 +237,8 @@ class Replies:
                 slot_bytes=SLOT_BYTES,
                 owner=self.owner,
                 party=party,
-                doorbell=doorbell.address,
-                doorbell_key=doorbell.key,
+                doorbell=doorbell.address if doorbell is not None else "",
+                doorbell_key=doorbell.key if doorbell is not None else b"",
             )
 
         try:
@@ -244,20 +257,17 @@ class Replies:
                 )
         if not took:
             board.close()
-            doorbell.close()
+            if doorbell is not None:
+                doorbell.close()
             return
         self._board, self._parties, self._doorbell = board, frozenset(took), doorbell
-        # Parties copying on a GPU leave the host's cores idle: polling finds their answers
-        # sooner than a sleeping coordinator wakes. On a CPU polling would take a core from
-        # the copies, so the coordinator sleeps on its doorbell.
-        self._sleeps = not any(infos[p].device == "cuda" for p in took)
 
     def round(self) -> ReplyRound | None:
         """A new round on the board (None without one: every answer through Ray)."""
         if self._board is None:
             return None
         self._tag += 1
-        return ReplyRound(self._board, self._tag, self._parties, self._doorbell if self._sleeps else None)
+        return ReplyRound(self._board, self._tag, self._parties, self._doorbell)
 
     def close(self) -> None:
         if self._board is not None:

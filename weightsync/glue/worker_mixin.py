@@ -196,7 +196,13 @@ def forward_worker_protocol(cls: type) -> type:
         # the one it leaves on the coordinator's reply board.
         return on_board(call) if method in REPLYING else call
 
+    def ws_reply_board(self: Any, offer: BoardOffer) -> Outcome:
+        """Take the coordinator's reply board here, in the actor it calls."""
+        return answer(offer.party, "reply board", accept_board, self, offer)
+
+    # Every method is a function of this class's own: Ray marks the function objects
+    # (``ray.method(concurrency_group=...)``), which a shared one would carry to other classes.
     for method in WORKER_PROTOCOL:
         if method not in vars(cls):
-            setattr(cls, method, WorkerMixin.ws_reply_board if method in LOCAL else forwarder(method))
+            setattr(cls, method, ws_reply_board if method in LOCAL else forwarder(method))
     return cls

@@ -131,3 +131,9 @@ class ReplyBoard:
         if self._region is not None:
             self._region.close()
             self._region = None
+
+    def __enter__(self) -> ReplyBoard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -145,7 +145,7 @@ class BoardOffer:
     owner: str
     party: str
     #: Where to ring once an answer is posted (the coordinator's doorbell, its key), so a
-    #: coordinator on a busy CPU sleeps instead of polling.
+    #: coordinator on a busy CPU sleeps instead of polling; "": it polls, ring nothing.
     doorbell: str
     doorbell_key: bytes
 
@@ -156,8 +156,8 @@ class BoardOffer:
         )
         _require(bool(self.party) and isinstance(self.owner, str), "a reply board is offered to a named party")
         _require(
-            bool(self.doorbell) and isinstance(self.doorbell_key, bytes),
-            f"a reply board needs the coordinator's doorbell, got {self.doorbell!r}",
+            isinstance(self.doorbell, str) and isinstance(self.doorbell_key, bytes),
+            f"a reply board's doorbell is an address and a key, got {self.doorbell!r}",
         )
 
 
