@@ -420,3 +420,20 @@ def test_a_forwarding_actor_class_gets_sync_methods_of_its_own_that_answer_on_th
         assert accept_board(engine, _offer(board)) == ""
         engine.ws_receive(_call(1, 6))  # type: ignore[attr-defined]
         assert pickle.loads(board.take(1, 6))[2] == ok("engine", "ws_receive", None)  # type: ignore[arg-type]
+
+
+def test_ray_method_options_given_to_a_wrapped_sync_method_reach_ray() -> None:
+    """Ray reads an actor method's options from the function it reaches through __wrapped__:
+    a concurrency group given before or after wrapping (the vLLM engine's "weightsync" group,
+    which serializes its sync calls) must reach Ray's metadata."""
+
+    class Engine(WorkerHost):
+        @on_board
+        @ray.method(concurrency_group="early")  # type: ignore[misc]
+        def ws_commit(self, call: Any, *args: Any) -> Any:
+            return super().ws_commit(call, *args)
+
+    Engine.ws_receive = ray.method(concurrency_group="late")(on_board(WorkerHost.ws_receive))  # type: ignore[method-assign]
+    remote = ray.remote(concurrency_groups={"early": 1, "late": 1})(Engine)  # type: ignore[call-overload]
+    groups = remote.__ray_metadata__.method_meta.concurrency_group_for_methods
+    assert groups["ws_commit"] == "early" and groups["ws_receive"] == "late"

@@ -78,15 +78,22 @@ def on_board(method: F) -> F:
         async def waiting(self: Any, call: SyncCall, *args: Any, **kwargs: Any) -> Any:
             return await _answered_async(method, self, call, args, kwargs)
 
-        setattr(waiting, _MARK, True)
-        return waiting  # type: ignore[return-value]
+        return _marked(waiting)  # type: ignore[return-value]
 
     @functools.wraps(method)
     def plain(self: Any, call: SyncCall, *args: Any, **kwargs: Any) -> Any:
         return _answered(method, self, call, args, kwargs)
 
-    setattr(plain, _MARK, True)
-    return plain  # type: ignore[return-value]
+    return _marked(plain)  # type: ignore[return-value]
+
+
+def _marked(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    # Ray reads an actor method's options (``ray.method(concurrency_group=...)``) from the
+    # innermost function it reaches through ``__wrapped__``: without the link it reads the
+    # wrapper, which carries the options given before wrapping (copied) and after.
+    del wrapper.__wrapped__  # type: ignore[attr-defined]
+    setattr(wrapper, _MARK, True)
+    return wrapper
 
 
 def _answered(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
