@@ -266,6 +266,15 @@ def test_a_party_whose_method_raises_is_named_with_its_error_as_through_ray(acto
     ws.close()
 
 
+def _one_sync(ws: WeightSync, trainer: Any, workers: list[Any], through_ray: list[tuple[str, str]]) -> list[Any]:
+    """A training step and sync 1, every worker then bit-exact; the calls read from Ray."""
+    get(trainer.call.remote(perturb, 1))
+    through_ray.clear()
+    ws.sync(1)
+    assert_workers_match(trainer, workers)
+    return list(through_ray)
+
+
 def test_a_party_on_another_host_answers_through_ray_beside_one_on_the_board(
     actors: Any, monkeypatch: pytest.MonkeyPatch, through_ray: list[tuple[str, str]]
 ) -> None:
@@ -281,11 +290,7 @@ def test_a_party_on_another_host_answers_through_ray_beside_one_on_the_board(
     monkeypatch.setattr(replies.Replies, "offer", elsewhere)
     with WeightSync(trainer, {"near": near, "far": far}, transport="direct") as ws:
         assert ws._steps.replies.parties == {"trainer", "near"}
-        get(trainer.call.remote(perturb, 1))
-        through_ray.clear()
-        ws.sync(1)
-        assert through_ray == [("far", "receive")]
-        assert_workers_match(trainer, [near, far])
+        assert _one_sync(ws, trainer, [near, far], through_ray) == [("far", "receive")]
 
 
 class OverridesReceive(WorkerHost):
@@ -300,11 +305,7 @@ def test_a_worker_overriding_its_receive_answers_through_ray_and_syncs_bit_exact
     own = actors.add(ray.remote(OverridesReceive).options(num_cpus=0).remote(functools.partial(MixedModel, seed=6)))
     with WeightSync(trainer, {"plain": plain, "own": own}, transport="direct") as ws:
         assert ws._steps.replies.parties == {"trainer", "plain"}
-        get(trainer.call.remote(perturb, 1))
-        through_ray.clear()
-        ws.sync(1)
-        assert through_ray == [("own", "receive")]
-        assert_workers_match(trainer, [plain, own])
+        assert _one_sync(ws, trainer, [plain, own], through_ray) == [("own", "receive")]
 
 
 def test_the_board_leaves_no_region_behind_and_close_releases_it(actors: Any, no_shm_leftovers: None) -> None:

@@ -41,6 +41,7 @@ import ray
 from weightsync.core.wire.errors import ExportNotFound, TransferTimeout
 from weightsync.core.wire.messages import BoardOffer, EndpointInfo, SyncCall
 from weightsync.core.wire.outcome import Outcome
+from weightsync.glue.protocol import answer
 from weightsync.mechanisms.board import TOO_BIG, ReplyBoard
 from weightsync.mechanisms.doorbell import Doorbell, ring
 
@@ -97,35 +98,43 @@ def _marked(wrapper: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _answered(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
-    outer = _INSIDE.get() is None
-    token = _INSIDE.set(True)
-    try:
+    with _Posting(actor, call) as posting:
         value = method(actor, call, *args, **kwargs)
-    except BaseException:
-        if outer:
-            post_reply(actor, call, None, failed=True)
-        raise
-    finally:
-        _INSIDE.reset(token)
-    if outer:
-        post_reply(actor, call, value)
-    return value
+    return posting.done(value)
 
 
 async def _answered_async(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
-    outer = _INSIDE.get() is None
-    token = _INSIDE.set(True)
-    try:
+    with _Posting(actor, call) as posting:
         value = await method(actor, call, *args, **kwargs)
-    except BaseException:
-        if outer:
-            post_reply(actor, call, None, failed=True)
-        raise
-    finally:
-        _INSIDE.reset(token)
-    if outer:
-        post_reply(actor, call, value)
-    return value
+    return posting.done(value)
+
+
+class _Posting:
+    """One wrapped method's run: whether it is the outermost of its call (the one that
+    posts), and, when it raises, the post that says so."""
+
+    def __init__(self, actor: Any, call: SyncCall) -> None:
+        self.actor, self.call = actor, call
+
+    def __enter__(self) -> _Posting:
+        self.outer = _INSIDE.get() is None
+        self._token = _INSIDE.set(True)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        _INSIDE.reset(self._token)
+        if kind is not None and self.outer:
+            post_reply(self.actor, self.call, None, failed=True)
+
+    def done(self, value: Any) -> Any:
+        if self.outer:
+            post_reply(self.actor, self.call, value)
+        return value
+
+
+def reply_board_answer(actor: Any, offer: BoardOffer) -> Outcome:
+    """What a party's ``ws_reply_board`` answers: "" once it took the board, else why not."""
+    return answer(offer.party, "reply board", accept_board, actor, offer)
 
 
 def accept_board(actor: Any, offer: BoardOffer) -> str:

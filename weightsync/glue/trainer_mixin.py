@@ -37,7 +37,7 @@ from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
-from weightsync.glue.replies import accept_board, on_board
+from weightsync.glue.replies import on_board, reply_board_answer
 
 #: How many closed sessions a trainer party remembers (who closed them), for the message
 #: of a push asked of one.
@@ -163,7 +163,7 @@ class TrainerMixin:
     def ws_reply_board(self, offer: BoardOffer) -> Outcome:
         """Take coordinator ``offer.owner``'s reply board: answers "" once this actor will
         answer its sync calls there too, else why not (:mod:`weightsync.glue.replies`)."""
-        return answer(offer.party, "reply board", accept_board, self, offer)
+        return reply_board_answer(self, offer)
 
     # push mode ----------------------------------------------------------------------------
     @on_board

@@ -29,7 +29,7 @@ from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
-from weightsync.glue.replies import REPLYING, accept_board, on_board
+from weightsync.glue.replies import REPLYING, on_board, reply_board_answer
 
 
 class WorkerMixin:
@@ -135,7 +135,7 @@ class WorkerMixin:
     def ws_reply_board(self, offer: BoardOffer) -> Outcome:
         """Take coordinator ``offer.owner``'s reply board: answers "" once this actor will
         answer its sync calls there too, else why not (:mod:`weightsync.glue.replies`)."""
-        return answer(offer.party, "reply board", accept_board, self, offer)
+        return reply_board_answer(self, offer)
 
     def ws_settle(self, owner: str = "") -> Outcome:
         return answer(self._me(), "settle", self._wr().settle, owner)
@@ -198,7 +198,7 @@ def forward_worker_protocol(cls: type) -> type:
 
     def ws_reply_board(self: Any, offer: BoardOffer) -> Outcome:
         """Take the coordinator's reply board here, in the actor it calls."""
-        return answer(offer.party, "reply board", accept_board, self, offer)
+        return reply_board_answer(self, offer)
 
     # Every method is a function of this class's own: Ray marks the function objects
     # (``ray.method(concurrency_group=...)``), which a shared one would carry to other classes.

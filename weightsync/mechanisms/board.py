@@ -33,7 +33,8 @@ import numpy as np
 
 from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import ShmHandle
-from weightsync.mechanisms.shm import ShmRegion, map_shm
+from weightsync.mechanisms.control import ControlBlock
+from weightsync.mechanisms.shm import map_shm
 
 TAG, LENGTH, DIGEST = range(3)
 _HEADER_WORDS = 4
@@ -46,19 +47,21 @@ def _digest(data: bytes) -> int:
 
 
 class ReplyBoard:
-    """``slots`` slots of ``slot_bytes`` answer bytes each, in one shared region."""
+    """``slots`` slots of ``slot_bytes`` answer bytes each, in the transport words of one
+    control block (:class:`~weightsync.mechanisms.control.ControlBlock`: its magic, its
+    region's handle and end; no abort pairs)."""
 
-    def __init__(self, words: np.ndarray, path: str, slots: int, slot_bytes: int, region: ShmRegion | None) -> None:
-        self.path = path
+    def __init__(self, block: ControlBlock, slots: int, slot_bytes: int) -> None:
+        self._block = block
+        self.path = block.path
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._region = region
-        self._words_per_slot = _HEADER_WORDS + slot_bytes // 8
-        self._slots = words[: slots * self._words_per_slot].reshape(slots, self._words_per_slot)
+        per_slot = _HEADER_WORDS + slot_bytes // 8
+        self._slots = block.words[block.first : block.first + slots * per_slot].reshape(slots, per_slot)
 
     @staticmethod
-    def nbytes(slots: int, slot_bytes: int) -> int:
-        return slots * (_HEADER_WORDS * 8 + slot_bytes)
+    def words(slots: int, slot_bytes: int) -> int:
+        return slots * (_HEADER_WORDS + slot_bytes // 8)
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> ReplyBoard:
@@ -67,27 +70,25 @@ class ReplyBoard:
             raise ValueError(
                 f"a reply board needs slots >= 1 and slot_bytes a multiple of 8, got {slots}, {slot_bytes}"
             )
-        region = ShmRegion(cls.nbytes(slots, slot_bytes), tag="reply")
-        region.tensor.zero_()
-        words = region.tensor.numpy().view(np.int64)
-        return cls(words, region.path, slots, slot_bytes, region)
+        return cls(ControlBlock.create(cls.words(slots, slot_bytes), tag="reply"), slots, slot_bytes)
 
     @classmethod
     def attach(cls, handle: ShmHandle, slots: int, slot_bytes: int) -> ReplyBoard:
         """The board behind ``handle`` mapped in this process (a party's); raises
         :class:`~weightsync.core.wire.errors.ExportNotFound` where it cannot be mapped (another
         host, or another ``/dev/shm``)."""
-        if handle.nbytes != cls.nbytes(slots, slot_bytes) or slots < 1 or slot_bytes % 8:
+        if slots < 1 or slot_bytes % 8 or handle.nbytes < cls.words(slots, slot_bytes) * 8:
             raise WeightSyncError(
                 f"reply board {handle.path}: {handle.nbytes} bytes cannot hold {slots} slot(s) of {slot_bytes} "
                 "bytes: a malformed offer"
             )
-        words = map_shm(handle).numpy().view(np.int64)
-        return cls(words, handle.path, slots, slot_bytes, None)
+        block = ControlBlock.attach(map_shm(handle), "a party", handle.path)
+        if block.first + cls.words(slots, slot_bytes) > len(block.words):
+            raise WeightSyncError(f"reply board {handle.path} is too small for {slots} slot(s): a malformed offer")
+        return cls(block, slots, slot_bytes)
 
     def handle(self) -> ShmHandle:
-        assert self._region is not None, "only the coordinator hands its board out"
-        return self._region.handle()
+        return self._block.handle()
 
     def post(self, slot: int, tag: int, data: bytes | None) -> bool:
         """Write ``data`` as round ``tag``'s answer in ``slot``; None, or bytes too big for the
@@ -124,13 +125,10 @@ class ReplyBoard:
 
     def unlink(self) -> None:
         """Remove the name once every party mapped it (the mappings stay)."""
-        if self._region is not None:
-            self._region.unlink()
+        self._block.unlink()
 
     def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        self._block.close()
 
     def __enter__(self) -> ReplyBoard:
         return self

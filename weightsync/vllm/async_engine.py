@@ -55,9 +55,8 @@ from weightsync.core.stage import check_place
 from weightsync.core.wire.messages import BoardOffer
 from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.settings import DEFAULT_ENGINE_TIMEOUT_S
-from weightsync.glue import protocol
 from weightsync.glue.actors import WORKER_PROTOCOL
-from weightsync.glue.replies import REPLYING, accept_board, on_board
+from weightsync.glue.replies import REPLYING, on_board, reply_board_answer
 from weightsync.glue.worker_mixin import LOCAL
 from weightsync.vllm.async_hold import AsyncHolding
 from weightsync.vllm.checkpoint import engine_specs
@@ -90,7 +89,7 @@ def forward_worker_protocol_async(cls: type) -> type:
 
     async def ws_reply_board(self: Any, offer: BoardOffer) -> Outcome:
         """Take the coordinator's reply board here, in the actor it calls."""
-        return protocol.answer(offer.party, "reply board", accept_board, self, offer)
+        return reply_board_answer(self, offer)
 
     for method in WORKER_PROTOCOL:
         if method not in vars(cls):
