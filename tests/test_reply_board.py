@@ -260,6 +260,8 @@ def test_a_party_whose_method_raises_is_named_with_its_error_as_through_ray(acto
     assert info.value.outcomes["odd"].status is Status.FAILED
     assert "refused version 2 outside the protocol" in info.value.outcomes["odd"].message
     assert "odd" in info.value.culprits
+    # The trainer was told at once (weightsync/core/abandon.py), not left to its deadline.
+    assert info.value.outcomes["trainer"].error == "PeerAborted"
     get(trainer.call.remote(perturb, 3))
     assert [w.version for w in ws.sync(3).workers] == [3, 3]
     assert_workers_match(trainer, [healthy, odd])

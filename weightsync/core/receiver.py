@@ -97,6 +97,8 @@ class WeightReceiver(TransportEnd):
         #: The version staged, checked and waiting for :meth:`swap` (None: none).
         self.ready: int | None = None
         self._incoming: int | None = None  # the version of the sync received last
+        #: (owner, seq) of the last sync whose receive began here (see weightsync.core.abandon).
+        self.began: tuple[str, int] | None = None
         #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
         #: to; always None for a staging sink, whose stage holds no base), and this sync's
         #: header's (new token, whether a delta) until it commits.
@@ -168,6 +170,7 @@ class WeightReceiver(TransportEnd):
         # A staged sync still in flight here (received into the stage, its commit or swap
         # not done) is never mixed with this one: this one is refused, that one left as it is.
         in_flight = self.state is WorkerState.RECEIVING and self._stages()
+        self.began = (call.owner, call.seq)
         try:
             half.start(call)
             self._check_call(call, in_flight)

@@ -42,10 +42,6 @@ from weightsync.mechanisms.batched_copy import PlanKey, plan_key
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
 
-def _known(free: int | None) -> tuple[int, ...]:
-    return () if free is None else (free,)
-
-
 @dataclass
 class WeightSender:
     """The trainer's side. Reads (name, tensor) pairs from a module (or any source).
@@ -77,8 +73,9 @@ class WeightSender:
         self._checked_key: PlanKey | None = None  # their layout when last checked
         #: Who set up this party's current session, and who last tore its transports down
         #: (the coordinators' labels): what a push that finds no session is told.
-        self.owner = ""
-        self.closed_by = ""
+        self.owner, self.closed_by = "", ""
+        #: (owner, seq) of the last sync whose halves were started here (see weightsync.core.abandon).
+        self.began: tuple[str, int] | None = None
         #: Delta sessions: the base and its encoder (kept across setups of the same tensors).
         self.delta: DeltaSending | None = None
 
@@ -112,7 +109,8 @@ class WeightSender:
         adapter = self.adapter() if self.adapter is not None else None  # before the tensors, which check it
         specs = self.specs()
         if hints is None:
-            hints = BufferHints(device=self.device.type, free_bytes=_known(free_memory_bytes(self.device)))
+            free = free_memory_bytes(self.device)
+            hints = BufferHints(device=self.device.type, free_bytes=() if free is None else (free,))
         buffer_bytes, num_buffers = resolve_buffers(
             settings.buffer_bytes, specs, settings.num_buffers, settings.alignment, hints
         )
@@ -333,6 +331,7 @@ class WeightSender:
 
     def start_halves(self, call: SyncCall) -> None:
         """Tell this sync's halves it starts (before any check that may fail it)."""
+        self.began = (call.owner, call.seq)
         for kind in call.kinds:
             half = self.halves.get(kind)
             if half is not None:

@@ -51,6 +51,8 @@ log = logging.getLogger("weightsync")
 SLOT_BYTES = 32 * 1024
 #: The sync calls that answer on the board.
 REPLYING = ("ws_send", "ws_receive", "ws_commit", "ws_push")
+#: The sync methods that begin a party's side of a sync (see abandon_unbegun).
+_BEGIN = ("ws_send", "ws_receive")
 #: The most boards one actor keeps mapped (one per coordinator that set it up lately).
 _KEPT = 8
 _HELD = "_ws_reply_boards"
@@ -98,38 +100,61 @@ def _marked(wrapper: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _answered(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
-    with _Posting(actor, call) as posting:
+    with _Posting(actor, call, method.__name__) as posting:
         value = method(actor, call, *args, **kwargs)
     return posting.done(value)
 
 
 async def _answered_async(method: Callable[..., Any], actor: Any, call: SyncCall, args: Any, kwargs: Any) -> Any:
-    with _Posting(actor, call) as posting:
+    with _Posting(actor, call, method.__name__) as posting:
         value = await method(actor, call, *args, **kwargs)
     return posting.done(value)
 
 
 class _Posting:
     """One wrapped method's run: whether it is the outermost of its call (the one that
-    posts), and, when it raises, the post that says so."""
+    posts), and, when it raises, the post that says so. As the outermost one ends, a side
+    that never began the sync tells its peers first (:func:`abandon_unbegun`)."""
 
-    def __init__(self, actor: Any, call: SyncCall) -> None:
-        self.actor, self.call = actor, call
+    def __init__(self, actor: Any, call: SyncCall, method: str) -> None:
+        self.actor, self.call, self.method = actor, call, method
 
     def __enter__(self) -> _Posting:
         self.outer = _INSIDE.get() is None
         self._token = _INSIDE.set(True)
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *rest: object) -> None:
         _INSIDE.reset(self._token)
         if kind is not None and self.outer:
+            abandon_unbegun(self.actor, self.call, self.method, error)
             post_reply(self.actor, self.call, None, failed=True)
 
     def done(self, value: Any) -> Any:
         if self.outer:
+            abandon_unbegun(self.actor, self.call, self.method, None)
             post_reply(self.actor, self.call, value)
         return value
+
+
+def abandon_unbegun(actor: Any, call: SyncCall, method: str, error: BaseException | None) -> None:
+    """``actor``'s ``method`` for ``call`` ended: when its side of the sync never began (an
+    override that raised, or answered, first), abort it so its peers stop waiting now
+    (:mod:`weightsync.core.abandon`; the mixins' ``_ws_abandon``). An abort that fails is
+    logged and noted on ``error``, the method's own failure, which stays the one raised."""
+    hook = getattr(actor, "_ws_abandon", None)
+    if method not in _BEGIN or not callable(hook):
+        return
+    try:
+        if hook(call, method):
+            log.warning(
+                "weightsync: %s of sync %d ended before the sync began there; its peers were told", method, call.seq
+            )
+    except Exception as exc:
+        log.error("weightsync: telling the peers that %s of sync %d never began failed", method, call.seq, exc_info=exc)
+        note = getattr(error, "add_note", None)  # Python 3.11+
+        if callable(note):
+            note(f"(then telling its peers that the sync never began failed too: {exc!r})")
 
 
 def reply_board_answer(actor: Any, offer: BoardOffer) -> Outcome:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from weightsync.core import registry
+from weightsync.core.abandon import abandon_send
 from weightsync.core.lora.source import send_adapter
 from weightsync.core.plugin import Plugin
 from weightsync.core.policy import judge
@@ -93,6 +94,12 @@ class TrainerMixin:
         senders = self._senders()
         sender = senders.get(owner) or next(iter(senders.values()), None)
         return sender.name if sender is not None else TRAINER_PARTY
+
+    def _ws_abandon(self, call: SyncCall, method: str) -> bool:
+        """``ws_send`` for ``call`` ended: abort this party's side if it never began (see
+        :func:`weightsync.glue.replies.abandon_unbegun`)."""
+        sender = self._senders().get(call.owner)
+        return sender is not None and method == "ws_send" and abandon_send(sender, call)
 
     def weightsync_sessions(self) -> dict[str, tuple[str, ...]]:
         """Per coordinator with a session on this party (its ``WeightSync.label``), the

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.core.abandon import abandon_receive
 from weightsync.core.ownership import foreign
 from weightsync.core.plugin import Plugin
 from weightsync.core.receiver import WeightReceiver
@@ -66,6 +67,12 @@ class WorkerMixin:
     def _me(self) -> str:
         receiver = getattr(self, "_ws_receiver", None)
         return receiver.name if receiver is not None else "worker"
+
+    def _ws_abandon(self, call: SyncCall, method: str) -> bool:
+        """``ws_receive`` for ``call`` ended: abort this worker's side if it never began
+        (see :func:`weightsync.glue.replies.abandon_unbegun`)."""
+        receiver = getattr(self, "_ws_receiver", None)
+        return receiver is not None and method == "ws_receive" and abandon_receive(receiver, call)
 
     def ws_describe(self) -> Outcome:
         sink = getattr(self, "weightsync_sink", None)
