@@ -21,9 +21,10 @@ The parties on the coordinator's host answer on its reply board as well as throu
 
 In push mode a round is one call, to the trainer, which rings the listening workers
 itself; the coordinator rings those on its host too as it makes the call, so they are
-awake when the trainer's ring comes. On a failure (:meth:`Round.fail`): the policy's verdict names the culprits, dead
-workers are dropped, every worker that can still answer settles (a worker left mid-write
-is dirty), the transports are torn down, and SyncError carries what each worker holds.
+awake when the trainer's ring comes. On a failure (:meth:`Round.fail`): the policy's
+verdict names the culprits, dead workers are dropped, every worker that can still answer
+settles (a worker left mid-write is dirty), the transports are torn down, and SyncError
+carries what each worker holds.
 """
 
 from __future__ import annotations
