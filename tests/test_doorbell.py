@@ -6,19 +6,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
 from weightsync.core.wire import ReceiveResult, SyncCall, TransferTimeout, WeightSyncError
-from weightsync.core.wire.messages import PushAnswer
 from weightsync.mechanisms.doorbell import Doorbell, ring
 from weightsync.mechanisms.mailbox import ANSWERED
-from weightsync.transports.push import listener as listener_module
 from weightsync.transports.push.listener import Listener
-from weightsync.transports.push.plugin import PUSH, Doorbells
 
 HANG_BOUND_S = 60.0  # only bounds a hang; a working call returns at once
 
@@ -139,48 +134,4 @@ def test_an_answer_too_large_for_the_mailbox_is_cut_to_fit_and_the_listener_serv
         assert answers[2].outcome.ok and answers[2].outcome.value.version == 3
         assert not listener.mailbox.stopped
     finally:
-        assert listener.close(HANG_BOUND_S)
-
-
-def _answered(listener: Listener, seq: int) -> PushAnswer:
-    deadline = time.monotonic() + HANG_BOUND_S
-    while listener.mailbox.control[ANSWERED] != seq + 1:
-        assert not listener.mailbox.stopped, f"the listener ended before answering sync {seq}"
-        assert time.monotonic() < deadline, f"no answer to sync {seq}"
-        time.sleep(0.001)
-    return listener.mailbox.answer()
-
-
-def test_the_coordinators_wake_makes_listeners_watch_and_skips_those_it_cannot_ring(monkeypatch: Any) -> None:
-    """Push mode's wake-up (``Mode.wake``, rung by ``WeightSync.sync`` as it calls the
-    trainer): a ring that finds nothing posted makes the listener watch its mailbox, so the
-    trainer's post is served even before its own ring; a listener that is gone, or whose
-    queue is full, is skipped without an error (its push finds out)."""
-    # Only a watching listener can see a post nobody rang for: without the watch, this
-    # listener would sleep on its doorbell for the whole bound.
-    monkeypatch.setattr(listener_module, "_IDLE_S", HANG_BOUND_S)
-    monkeypatch.setattr(listener_module, "WATCH_S", HANG_BOUND_S)
-
-    def receive(call: SyncCall) -> ReceiveResult:
-        return ReceiveResult(worker="worker-2", version=call.version, state="committed")
-
-    listener = Listener("worker-2", torch.device("cpu"), receive, lambda: (None, "committed"), threading.RLock())
-    gone, full = Doorbell(), Doorbell()
-    try:
-        exports = [listener.export()]
-        for bell, name in ((gone, "worker-gone"), (full, "worker-full")):
-            exports.append(replace(listener.export(), worker=name, doorbell=bell.address, doorbell_key=bell.key))
-        gone.close()
-        assert fill(full.address) > 0
-        PUSH.wake([Doorbells(tuple(exports)), None])  # an opening without members keeps None
-        listener.mailbox.post(SyncCall(seq=0, version=7))
-        first = _answered(listener, 0)
-        assert first.outcome.ok and first.outcome.value.version == 7
-        # The trainer's ring of a post found by watching is dropped, and a later post rung
-        # as usual is served too.
-        listener.mailbox.post(SyncCall(seq=1, version=8))
-        assert ring(listener.doorbell.address, listener.doorbell.key, time.monotonic() + HANG_BOUND_S, "worker-2")
-        assert _answered(listener, 1).outcome.value.version == 8
-    finally:
-        full.close()
         assert listener.close(HANG_BOUND_S)

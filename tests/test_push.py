@@ -30,7 +30,7 @@ from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.mechanisms.mailbox import Mailbox
 from weightsync.transports.push import pusher as pusher_module
 from weightsync.transports.push.messages import PushExport
-from weightsync.transports.push.plugin import PUSH, Doorbells
+from weightsync.transports.push.plugin import PUSH
 from weightsync.transports.push.pusher import Pusher
 
 
@@ -58,10 +58,6 @@ def parties(actors: Any, n: int = 2, sink: str = "module") -> tuple[Any, list[An
 def test_push_syncs_are_bit_exact_from_the_coordinator_and_from_inside_the_trainer(actors: Any) -> None:
     trainer, workers = parties(actors)
     with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=30) as ws:
-        ws.setup()
-        # Both listeners run on this host: the coordinator rings them as each sync starts.
-        kept = [e.worker for d in ws._setup.kept if isinstance(d, Doorbells) for e in d.listeners]
-        assert sorted(kept) == ["worker-0", "worker-1"]
         for step in range(3):
             get(trainer.perturb.remote(step))
             report = ws.sync(version=step, verify=step == 1)

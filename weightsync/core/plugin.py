@@ -228,9 +228,8 @@ class Plugin:
     name: str
     """Lower case, at most 32 characters: how users request it (``transport="ipc"``)."""
 
-    open: Callable[[Opening], object]
-    """The setup steps, run by the coordinator once per serving party with members. What a
-    mode's returns is kept by the coordinator until the next setup, for :attr:`Mode.wake`."""
+    open: Callable[[Opening], None]
+    """The setup steps, run by the coordinator once per serving party with members."""
 
     trainer_actions: Mapping[str, Action] = field(default_factory=dict)
     """Actions a step may ask of a trainer party: ``action(side: TrainerSide, *args)``."""
@@ -348,17 +347,8 @@ class Mode(Plugin):
     """Whether the mode is set up on the trainer party ``side`` now (a trainer that several
     coordinators set up picks the session a sync from inside it is for); None: it cannot tell."""
 
-    wake: Callable[[Sequence[object]], None] | None = None
-    """Run by the coordinator right after it asked the trainer for a sync in this mode,
-    given what :attr:`open` returned for each serving party: push mode rings the listeners
-    on the coordinator's host, which then watch their mailboxes while Ray starts the
-    trainer's call. A wake-up only saves time: it never raises for a party that cannot be
-    woken (the sync finds that out); None: nothing to do."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.wake is not None and not callable(self.wake):
-            raise SettingsError(f"mode {self.name!r}: wake must be callable or None")
         if not isinstance(self.over, str) or not self.over:
             raise SettingsError(f"mode {self.name!r}: over must name a transport")
         if not callable(self.sync):

@@ -294,7 +294,7 @@ class WeightSync:
             delta_token=self._deltas.token(),
         )
         if self.push:
-            sent, results = self._round.push(call, self._set_up, self._setup.wake)
+            sent, results = self._round.push(call, self._set_up)
         else:
             sent, results = self._round.run(call, members)
         stale = stale_members(results, self._members)

@@ -66,19 +66,18 @@ def open_plugin(
     infos: Mapping[str, EndpointInfo],
     options: Mapping[str, Any],
     servers: Sequence[str] = (),
-) -> object:
+) -> None:
     """Run ``plugin``'s setup for ``server`` (with ``servers``: every serving party, ``server``
-    first) and its ``members`` (nothing when it has none); what its ``open`` returned."""
-    if not members:
-        return None
-    return plugin.open(
-        RayOpening(
-            plugin=plugin,
-            server=server,
-            members=tuple(members),
-            servers=tuple(servers) or (server,),
-            infos=infos,
-            steps=steps,
-            options=options,
+    first) and its ``members`` (nothing when it has none)."""
+    if members:
+        plugin.open(
+            RayOpening(
+                plugin=plugin,
+                server=server,
+                members=tuple(members),
+                servers=tuple(servers) or (server,),
+                infos=infos,
+                steps=steps,
+                options=options,
+            )
         )
-    )

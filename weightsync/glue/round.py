@@ -19,12 +19,10 @@ A round, as :class:`Round` runs it::
 The parties on the coordinator's host answer on its reply board as well as through Ray
 (:mod:`weightsync.glue.replies`), which spares a colocated sync Ray's return leg.
 
-In push mode a round is one call, to the trainer, which rings the listening workers
-itself; the coordinator rings those on its host too as it makes the call, so they are
-awake when the trainer's ring comes. On a failure (:meth:`Round.fail`): the policy's
-verdict names the culprits, dead workers are dropped, every worker that can still answer
-settles (a worker left mid-write is dirty), the transports are torn down, and SyncError
-carries what each worker holds.
+In push mode a round is one call, to the trainer, which wakes the listening workers
+itself. On a failure (:meth:`Round.fail`): the policy's verdict names the culprits, dead
+workers are dropped, every worker that can still answer settles (a worker left mid-write
+is dirty), the transports are torn down, and SyncError carries what each worker holds.
 """
 
 from __future__ import annotations
@@ -125,10 +123,9 @@ class Round:
             m.name: final[m.name].value for m in members
         }
 
-    def push(self, call: SyncCall, set_up: Callable[[], object], wake: Callable[[], None]) -> Results:
-        """Push mode: one call to the trainer, and ``wake`` the listeners as Ray starts it; an
-        earlier in-trainer push that failed makes the trainer ask for a new setup first
-        (``set_up``), once."""
+    def push(self, call: SyncCall, set_up: Callable[[], object]) -> Results:
+        """Push mode: one call to the trainer; an earlier in-trainer push that failed makes
+        the trainer ask for a new setup first (``set_up``), once."""
         when = f"during the push of version {call.version}"
         lead = self.ranks.lead
         trainer = self.ranks.handles[0]
@@ -136,9 +133,7 @@ class Round:
             replies = self.steps.replies.round()
             key = (lead, "push")
             pushed = replies.call(key, call) if replies is not None else call
-            ref = trainer.ws_push.remote(pushed, self.steps.owner)
-            wake()
-            o = self.steps.gather({key: ref}, replies=replies)[key]
+            o = self.steps.gather({key: trainer.ws_push.remote(pushed, self.steps.owner)}, replies=replies)[key]
             verdict = judge({lead: o}, f"sync failed {when}")
             if verdict is not None:
                 self.fail(verdict)

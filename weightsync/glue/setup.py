@@ -69,8 +69,6 @@ class Setup:
         self.mode = mode
         self.worker_ranks = worker_ranks
         self.infos: dict[str, EndpointInfo] = {}
-        #: What the mode's openings returned, for its wake-up at each sync.
-        self.kept: list[object] = []
 
     def run(self) -> Manifest:
         handles = self.membership.handles()
@@ -199,12 +197,6 @@ class Setup:
                 open_plugin(transport, self.steps, self.ranks.names[rank], mine, self.infos, self.options)
 
     def _open_mode(self, mode: Mode) -> None:
-        self.kept = []
         for rank, name in enumerate(self.ranks.names):
             mine = [m.name for m in self.membership.on(mode.over, rank)]
-            self.kept.append(open_plugin(mode, self.steps, name, mine, self.infos, self.options))
-
-    def wake(self) -> None:
-        """The mode's wake-up for a sync just asked of the trainer (see ``Mode.wake``)."""
-        if self.mode is not None and self.mode.wake is not None:
-            self.mode.wake(self.kept)
+            open_plugin(mode, self.steps, name, mine, self.infos, self.options)

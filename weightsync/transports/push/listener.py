@@ -13,12 +13,6 @@ are never read while they are written. Life of one listener::
     trainer attaches the mailbox; push's "seal" action unlinks its name
     per push: ring -> posted() -> receive_pushed(call) under the gate -> reply(seq, PushAnswer)
     WeightReceiver.close_transports() -> Listener.close()  (stops and joins the thread)
-
-A thread asleep for a while wakes slowly on the hosts measured (0.15-0.3 ms), and the
-trainer copies only once the worker announced, so the wake-up is on every push's path.
-``WeightSync.sync`` therefore rings the listeners itself as it starts the trainer's call:
-a ring that finds nothing posted makes the listener watch its mailbox for
-:data:`WATCH_S`, and the trainer's post, a Ray start leg later, is seen at once.
 """
 
 from __future__ import annotations
@@ -37,17 +31,11 @@ from weightsync.core.wire.messages import PushAnswer, ReceiveResult, SyncCall
 from weightsync.core.wire.outcome import failed, ok
 from weightsync.mechanisms.doorbell import Doorbell, ring
 from weightsync.mechanisms.mailbox import STOP, Mailbox
-from weightsync.mechanisms.streams import precise_sleeps
 from weightsync.transports.push.messages import PushExport
 
 log = logging.getLogger("weightsync")
 #: How long the listener sleeps between checks that it should stop.
 _IDLE_S = 0.25
-#: How long a ring that found nothing posted keeps the listener watching its mailbox: more
-#: than Ray takes to start the trainer's call (0.5-2.5 ms measured), and bounded, so a wake
-#: for a push that never comes costs a few milliseconds of short sleeps.
-WATCH_S = 0.01
-_WATCH_SLEEP_S = 20e-6
 
 
 class Listener:
@@ -89,32 +77,19 @@ class Listener:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            with precise_sleeps():
-                self._loop()
+            last = -1
+            while not self._stop.is_set():
+                self.doorbell.wait(_IDLE_S)
+                posted = self.mailbox.posted()
+                if self._stop.is_set() or posted is None or posted[0] == last:
+                    continue
+                seq, version, verify, force = posted
+                last = seq
+                self._serve(SyncCall(seq=seq, version=version, verify=verify, force=force))
         except BaseException as exc:  # logged; STOP below tells the trainer at once
             log.error("weightsync: %s's listener ended: %s", self.name, exc, exc_info=exc)
         finally:
             self.mailbox.control[STOP] = 1
-
-    def _loop(self) -> None:
-        # idle (asleep on the doorbell) -> rung -> watching the mailbox (WATCH_S at most)
-        #   -> a new post: serve it, drop the rings it left, look again; else asleep again.
-        last = -1
-        watch_until = 0.0
-        while not self._stop.is_set():
-            posted = self.mailbox.posted()
-            if posted is not None and posted[0] != last:
-                seq, version, verify, force = posted
-                last = seq
-                self._serve(SyncCall(seq=seq, version=version, verify=verify, force=force))
-                # The trainer's ring of a post found by watching is still queued; a later
-                # post is seen by the look above, before any sleep.
-                self.doorbell.drain()
-                watch_until = 0.0
-            elif time.monotonic() < watch_until:
-                time.sleep(_WATCH_SLEEP_S)
-            elif self.doorbell.wait(_IDLE_S):
-                watch_until = time.monotonic() + WATCH_S
 
     def _serve(self, call: SyncCall) -> None:
         # Claimed before waiting for the gate, so a teardown meanwhile sees it busy and aborts

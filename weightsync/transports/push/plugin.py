@@ -6,63 +6,30 @@ Opened after the direct transport, for each trainer party with direct workers::
     arm      the trainer party attaches every mailbox (a Pusher, kept in its extras)
     seal     each worker unlinks its mailbox's shared-memory name
 
-Per sync, ``WeightSync.sync`` makes one call to the trainer (``ws_push``) and rings the
-listeners on its own host as that call starts (:func:`wake`), or the trainer pushes from
-inside its own method (``TrainerMixin.weightsync_push``): see
+Per sync, ``WeightSync.sync`` makes one call to the trainer (``ws_push``), or the trainer
+pushes from inside its own method (``TrainerMixin.weightsync_push``): see
 :mod:`weightsync.transports.push.pusher`.
 """
 
 from __future__ import annotations
 
-import logging
-import socket
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from weightsync.core.plugin import Mode, Opening, Request, TrainerSide, WorkerSide
-from weightsync.core.wire.errors import SettingsError, TransferTimeout
+from weightsync.core.wire.errors import SettingsError
 from weightsync.core.wire.messages import PushResult, SyncCall
-from weightsync.mechanisms.doorbell import ring
 from weightsync.transports.push.listener import Listener
 from weightsync.transports.push.messages import PushExport
 from weightsync.transports.push.pusher import Pusher
 
 _KEY = "pusher"
-log = logging.getLogger("weightsync")
 
 
-@dataclass(frozen=True)
-class Doorbells:
-    """The listeners on the coordinator's host that it can wake: what an opening keeps."""
-
-    listeners: tuple[PushExport, ...]
-
-
-def open_push(opening: Opening) -> Doorbells:
+def open_push(opening: Opening) -> None:
     me, members = opening.server, opening.members
     exports = opening.step({name: Request(action="listen") for name in members}, "starting the listeners")
     opening.step(
         {me: Request(action="arm", args=(tuple(exports[n] for n in members),))}, "attaching the listeners' mailboxes"
     )
     opening.step({name: Request(action="seal") for name in members}, "sealing the mailboxes")
-    # A doorbell is a socket of the listener's host: the coordinator rings only those on its own.
-    here = socket.gethostname()
-    return Doorbells(tuple(exports[n] for n in members if opening.info(n).hostname == here))
-
-
-def wake(kept: Sequence[object]) -> None:
-    """Ring every listener the openings in ``kept`` found on this host, never waiting: one
-    whose queue is full or that is gone is only not woken early (its push finds out why)."""
-    now = time.monotonic()
-    for doorbells in kept:
-        if not isinstance(doorbells, Doorbells):
-            continue
-        for export in doorbells.listeners:
-            try:
-                ring(export.doorbell, export.doorbell_key, now, export.worker)
-            except TransferTimeout as exc:
-                log.debug("weightsync: %s was not woken ahead of its push: %s", export.worker, exc)
 
 
 def _arm(side: TrainerSide, exports: tuple[PushExport, ...]) -> None:
@@ -127,7 +94,6 @@ PUSH = Mode(
     sync=push_sync,
     armed=armed,
     open=open_push,
-    wake=wake,
     trainer_actions={"arm": _arm},
     worker_actions={"listen": _listen, "seal": _seal},
 )
