@@ -31,6 +31,7 @@ from weightsync.tools.colocated import colocated_pair
 from weightsync.transports.direct import halves as direct
 from weightsync.transports.ipc import slot_copies
 from weightsync.transports.push import listener
+from weightsync.transports.push.pusher import Pusher
 
 
 def _stamped(cls: Any, method: str, into: list[tuple[float, float]]) -> None:
@@ -54,7 +55,11 @@ class StampedTrainer(TrainerHost):
         self.walks: list[tuple[float, float]] = []
         self.launches: list[tuple[float, float]] = []
         self.packs: list[tuple[float, float]] = []
+        self.senders: list[tuple[float, float]] = []
+        self.pushes: list[tuple[float, float]] = []
         _stamped(streams.SlotStreams, "drain", self.drains)
+        _stamped(WeightSender, "send", self.senders)
+        _stamped(Pusher, "push", self.pushes)
         _stamped(WeightSender, "checked_sources", self.walks)
         _stamped(batched_copy.BatchedCopier, "run", self.launches)
         _stamped(slot_copies.PackPlans, "pack", self.packs)
@@ -77,7 +82,8 @@ class StampedTrainer(TrainerHost):
         return self._timed(super().ws_push, *args, **kwargs)
 
     def stamps(self) -> dict[str, list[tuple[float, float]]]:
-        return {k: self.__dict__.get(k, []) for k in ("stamps", "drains", "walks", "launches", "packs")}
+        kinds = ("stamps", "drains", "walks", "launches", "packs", "senders", "pushes")
+        return {k: self.__dict__.get(k, []) for k in kinds}
 
 
 class StampedWorker(WorkerHost):
@@ -135,7 +141,11 @@ def main() -> None:
         marks.setdefault("worker listener wakes" if push else "worker call starts", []).append(receives[i][0] - t0)
         if announced:
             marks.setdefault("worker announces", []).append(announced[i] - t0)
+        for name, calls in (("push posts", trainer_stamps["pushes"]), ("send begins", trainer_stamps["senders"])):
+            if len(calls) == len(sends):
+                marks.setdefault(name, []).append(calls[i][0] - t0)
         if len(walks) == len(sends):
+            marks.setdefault("sources checks begin", []).append(walks[i][0] - t0)
             marks.setdefault("sources checked", []).append(walks[i][1] - t0)
         if len(launches) == len(sends):
             marks.setdefault("copy launch begins", []).append(launches[i][0] - t0)
