@@ -62,44 +62,55 @@ def _told(outcome: Outcome, party: str) -> None:
     assert outcome.error != "TransferTimeout" and party in outcome.message, outcome.line()
 
 
-@pytest.mark.parametrize("transport", ["direct", "ipc", "broadcast"])
+def _second_sync_fails(ws: WeightSync, trainer: Any) -> SyncError:
+    """Sync version 1, a training step, then version 2, which must fail: its error."""
+    ws.sync(1)
+    get(trainer.call.remote(perturb, 2))
+    with pytest.raises(SyncError) as info:
+        ws.sync(2)
+    return info.value
+
+
+def _third_sync(ws: WeightSync, trainer: Any, workers: dict[str, Any]) -> list[Any]:
+    """A training step and version 3, every worker then bit-exact; what each worker reported."""
+    get(trainer.call.remote(perturb, 3))
+    report = ws.sync(3)
+    assert_workers_match(trainer, list(workers.values()))
+    return list(report.workers)
+
+
+TRANSPORTS = ["direct", "ipc", "broadcast"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_worker_whose_override_refuses_without_receiving_is_named_by_the_trainer_at_once(
     actors: Any, transport: str
 ) -> None:
     trainer, workers = _parties(actors, TrainerHost, RefusesVersion2)
     with WeightSync(trainer, workers, transport=transport, timeout_s=DEADLINE_S) as ws:
-        ws.sync(1)
-        get(trainer.call.remote(perturb, 2))
-        with pytest.raises(SyncError) as info:
-            ws.sync(2)
-        _told(info.value.outcomes["trainer"], "odd")
-        assert "odd" in info.value.culprits
+        error = _second_sync_fails(ws, trainer)
+        _told(error.outcomes["trainer"], "odd")
+        assert "odd" in error.culprits
         # Nothing was written into it: it still holds version 1, and the next sync goes on.
-        get(trainer.call.remote(perturb, 3))
-        assert {w.name: w.version for w in ws.sync(3).workers} == {"odd": 3, "plain": 3}
-        assert_workers_match(trainer, list(workers.values()))
+        assert {w.name: w.version for w in _third_sync(ws, trainer, workers)} == {"odd": 3, "plain": 3}
 
 
-@pytest.mark.parametrize("transport", ["direct", "ipc", "broadcast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_trainer_whose_override_raises_before_sending_is_named_by_every_worker_at_once(
     actors: Any, transport: str
 ) -> None:
     trainer, workers = _parties(actors, RaisesOnVersion2, WorkerHost)
     with WeightSync(trainer, workers, transport=transport, timeout_s=DEADLINE_S) as ws:
-        ws.sync(1)
-        with pytest.raises(SyncError) as info:
-            ws.sync(2)
-        assert "will not send version 2" in info.value.outcomes["trainer"].message
+        error = _second_sync_fails(ws, trainer)
+        assert "will not send version 2" in error.outcomes["trainer"].message
         for name in workers:
-            _told(info.value.outcomes[name], "trainer")
+            _told(error.outcomes[name], "trainer")
         # Nothing was written and both still hold version 1. A direct worker that had
         # announced already cannot tell that the trainer wrote nothing: it may say dirty.
         may_be = {"committed", "dirty"} if transport == "direct" else {"committed"}
         held = ws.status()
         assert {v for v, _ in held.values()} == {1} and {s for _, s in held.values()} <= may_be, held
-        get(trainer.call.remote(perturb, 3))
-        ws.sync(3)
-        assert_workers_match(trainer, list(workers.values()))
+        _third_sync(ws, trainer, workers)
 
 
 def test_a_side_that_began_or_belongs_to_another_coordinator_is_left_alone() -> None:

@@ -51,7 +51,8 @@ log = logging.getLogger("weightsync")
 SLOT_BYTES = 32 * 1024
 #: The sync calls that answer on the board.
 REPLYING = ("ws_send", "ws_receive", "ws_commit", "ws_push")
-#: The sync methods that begin a party's side of a sync (see abandon_unbegun).
+#: The sync methods that begin a party's side of a sync (see abandon_unbegun): a trainer
+#: party's send, a worker's receive (each mixin's ``_ws_abandon`` is for its own one).
 _BEGIN = ("ws_send", "ws_receive")
 #: The most boards one actor keeps mapped (one per coordinator that set it up lately).
 _KEPT = 8
@@ -146,7 +147,7 @@ def abandon_unbegun(actor: Any, call: SyncCall, method: str, error: BaseExceptio
     if method not in _BEGIN or not callable(hook):
         return
     try:
-        if hook(call, method):
+        if hook(call):
             log.warning(
                 "weightsync: %s of sync %d ended before the sync began there; its peers were told", method, call.seq
             )

@@ -95,11 +95,11 @@ class TrainerMixin:
         sender = senders.get(owner) or next(iter(senders.values()), None)
         return sender.name if sender is not None else TRAINER_PARTY
 
-    def _ws_abandon(self, call: SyncCall, method: str) -> bool:
+    def _ws_abandon(self, call: SyncCall) -> bool:
         """``ws_send`` for ``call`` ended: abort this party's side if it never began (see
         :func:`weightsync.glue.replies.abandon_unbegun`)."""
         sender = self._senders().get(call.owner)
-        return sender is not None and method == "ws_send" and abandon_send(sender, call)
+        return sender is not None and abandon_send(sender, call)
 
     def weightsync_sessions(self) -> dict[str, tuple[str, ...]]:
         """Per coordinator with a session on this party (its ``WeightSync.label``), the

@@ -68,11 +68,11 @@ class WorkerMixin:
         receiver = getattr(self, "_ws_receiver", None)
         return receiver.name if receiver is not None else "worker"
 
-    def _ws_abandon(self, call: SyncCall, method: str) -> bool:
+    def _ws_abandon(self, call: SyncCall) -> bool:
         """``ws_receive`` for ``call`` ended: abort this worker's side if it never began
         (see :func:`weightsync.glue.replies.abandon_unbegun`)."""
         receiver = getattr(self, "_ws_receiver", None)
-        return receiver is not None and method == "ws_receive" and abandon_receive(receiver, call)
+        return receiver is not None and abandon_receive(receiver, call)
 
     def ws_describe(self) -> Outcome:
         sink = getattr(self, "weightsync_sink", None)
