@@ -133,6 +133,11 @@ class TrainerSide(Protocol):
     def send(self, call: SyncCall) -> SendResult:
         """The trainer's side of one sync (what a :class:`Mode` drives its own way)."""
 
+    #: Where this party leaves its part of a sync's answer as soon as it has it, in the slot
+    #: ``call.reply`` names (``SyncCall.parts``; the glue's reply board); None: its call's
+    #: return alone carries it.
+    answer_early: Callable[[SyncCall, Any], None] | None
+
 
 class Listening(Protocol):
     """A worker's listener (push mode): a thread that runs the worker's syncs when its
@@ -184,6 +189,10 @@ class WorkerSide(Protocol):
 
     def status(self) -> tuple[int | None, str]:
         """(version, state) of the worker now."""
+
+    #: Where this worker leaves its answer to a pushed sync as soon as it has it, in the slot
+    #: ``call.reply`` names (see :attr:`TrainerSide.answer_early`).
+    answer_early: Callable[[SyncCall, Any], None] | None
 
 
 Action = Callable[..., Any]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -99,6 +100,8 @@ class WeightReceiver(TransportEnd):
         self._incoming: int | None = None  # the version of the sync received last
         #: (owner, seq) of the last sync whose receive began here (see weightsync.core.abandon).
         self.began: tuple[str, int] | None = None
+        #: Leaves a pushed sync's answer early (see WorkerSide.answer_early).
+        self.answer_early: Callable[[SyncCall, Any], None] | None = None
         #: Delta sessions: the token of the bytes held, committed (None: none a delta applies
         #: to; always None for a staging sink, whose stage holds no base), and this sync's
         #: header's (new token, whether a delta) until it commits.

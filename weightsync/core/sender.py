@@ -78,6 +78,8 @@ class WeightSender:
         self.began: tuple[str, int] | None = None
         #: Delta sessions: the base and its encoder (kept across setups of the same tensors).
         self.delta: DeltaSending | None = None
+        #: Leaves a part of a sync's answer early (see TrainerSide.answer_early).
+        self.answer_early: Callable[[SyncCall, Any], None] | None = None
 
     def _pairs(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.source()) if self.source is not None else module_tensors(self.model)  # type: ignore[arg-type]
@@ -302,10 +304,8 @@ class WeightSender:
 
     def _carrier(self, call: SyncCall) -> bool:
         """Whether a half of this sync that cannot ride walks the sources itself."""
-        return any(
-            not self.open_half(kind).rides and self.open_half(kind).walks(call.to(kind), call.verify) > 0
-            for kind in call.kinds
-        )
+        halves = [(kind, self.open_half(kind)) for kind in call.kinds]
+        return any(not half.rides and half.walks(call.to(kind), call.verify) > 0 for kind, half in halves)
 
     def resolve(self, call: SyncCall) -> SyncCall:
         """``call`` with its targets given: the order of ``call.targets`` is the order the

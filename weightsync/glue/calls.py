@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -88,17 +88,20 @@ def gather(
     timeout_s: float,
     handles: Mapping[str, Any],
     replies: ReplyRound | None = None,
+    built: Mapping[tuple[str, str], Callable[[], Any]] | None = None,
 ) -> dict[tuple[str, str], Outcome]:
     """Every call's Outcome, keyed by (party, phase), waiting at most ``timeout_s`` in all.
 
     ``handles`` maps each party to its actor handle, to tell a party's own death from that
     of an actor its call depended on. ``replies``: the round whose board carries some of
-    the calls' answers.
+    the calls' answers. ``built``: per call, another way its answer comes: a function
+    polled with the board that returns the answer once other posts of the round make it
+    (:mod:`weightsync.glue.push_parts`), None until then.
     """
     deadline = time.monotonic() + timeout_s
     out: dict[tuple[str, str], Outcome] = {}
     if replies is not None and replies.slots:
-        out = _from_board(calls, replies, deadline)
+        out = _from_board(calls, replies, deadline, built or {})
     rest = {k: ref for k, ref in calls.items() if k not in out}
     if rest:
         out.update(_from_ray(rest, timeout_s, deadline, handles))
@@ -106,7 +109,10 @@ def gather(
 
 
 def _from_board(
-    calls: Mapping[tuple[str, str], Any], replies: ReplyRound, deadline: float
+    calls: Mapping[tuple[str, str], Any],
+    replies: ReplyRound,
+    deadline: float,
+    built: Mapping[tuple[str, str], Callable[[], Any]],
 ) -> dict[tuple[str, str], Outcome]:
     """The answers the board carries, as they come; stops waiting for a call once Ray has
     its answer instead (it raised, its answer did not fit, or its party died), or at the
@@ -121,6 +127,8 @@ def _from_board(
         while waiting:
             for key in list(waiting):
                 value = replies.take(key)
+                if value is None and key in built:
+                    value = built[key]()
                 if value is None:
                     continue
                 waiting.remove(key)

@@ -225,10 +225,16 @@ class ReplyRound:
     def call(self, key: Key, call: SyncCall) -> SyncCall:
         """``call`` as party ``key[0]`` gets it for phase ``key[1]``: naming its slot when the
         party answers on the board and a slot is left, else as it is."""
+        slot = self.slot(key)
+        return call if slot is None else replace(call, reply=(slot, self.tag))
+
+    def slot(self, key: Key) -> int | None:
+        """A slot of this round for ``key``'s answer; None when party ``key[0]`` does not
+        answer on the board or no slot is left."""
         if key[0] not in self.parties or len(self.slots) >= self.board.slots:
-            return call
+            return None
         slot = self.slots[key] = len(self.slots)
-        return replace(call, reply=(slot, self.tag))
+        return slot
 
     def take(self, key: Key) -> Any:
         """``key``'s answer from the board, :data:`TOO_BIG` (read Ray's), or None (not yet)."""
@@ -264,7 +270,8 @@ class Replies:
         near = [p for p, i in infos.items() if i.hostname == host and hasattr(handles.get(p), "ws_reply_board")]
         if not near or not ray.is_initialized():
             return
-        # Each round's calls: a send per trainer party, a receive and a commit per worker.
+        # Each round's calls: a send per trainer party, a receive and a commit per worker
+        # (a push: the trainer's call and send, each worker's answer).
         slots = 2 * len(handles)
         board = ReplyBoard.create(slots, SLOT_BYTES)
         # Parties copying on a GPU leave the host's cores idle: polling finds their answers

@@ -39,6 +39,7 @@ from weightsync.core.wire.errors import SyncError
 from weightsync.core.wire.messages import ReceiveResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome
 from weightsync.glue.membership import Member, Membership
+from weightsync.glue.push_parts import PushParts
 from weightsync.glue.ranks import TrainerRanks
 from weightsync.glue.steps import Steps
 
@@ -132,8 +133,15 @@ class Round:
         for attempt in range(2):
             replies = self.steps.replies.round()
             key = (lead, "push")
-            pushed = replies.call(key, call) if replies is not None else call
-            o = self.steps.gather({key: trainer.ws_push.remote(pushed, self.steps.owner)}, replies=replies)[key]
+            pushed, built = call, {}
+            if replies is not None:
+                pushed = replies.call(key, call)
+                workers = [w for names in (call.targets or {}).values() for w in names]
+                parts = PushParts.ask(replies, lead, workers, call.version) if pushed.reply is not None else None
+                if parts is not None:
+                    pushed, built = parts.call(pushed), {key: parts.answer}
+            ref = trainer.ws_push.remote(pushed, self.steps.owner)
+            o = self.steps.gather({key: ref}, replies=replies, built=built)[key]
             verdict = judge({lead: o}, f"sync failed {when}")
             if verdict is not None:
                 self.fail(verdict)

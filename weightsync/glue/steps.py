@@ -43,11 +43,15 @@ class Steps:
         return self._deadlines()
 
     def gather(
-        self, calls: Calls, timeout_s: float | None = None, replies: ReplyRound | None = None
+        self,
+        calls: Calls,
+        timeout_s: float | None = None,
+        replies: ReplyRound | None = None,
+        built: Mapping[tuple[str, str], Callable[[], Any]] | None = None,
     ) -> dict[tuple[str, str], Outcome]:
         """Every call's outcome (see :func:`~weightsync.glue.calls.gather`); ``replies``: the
-        round whose reply board carries some of them."""
-        return gather(calls, timeout_s or self.deadlines.coordinator_s, self.membership.handles(), replies)
+        round whose reply board carries some of them; ``built``: answers other posts make."""
+        return gather(calls, timeout_s or self.deadlines.coordinator_s, self.membership.handles(), replies, built)
 
     def run(self, calls: Calls, when: str, timeout_s: float | None = None) -> dict[str, Outcome]:
         """One setup step: every call's outcome by party (a party's failure wins over its

@@ -16,6 +16,7 @@ The actor runs one call at a time, so their syncs take turns here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,7 +39,7 @@ from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import SyncSettings
 from weightsync.core.wire.sizing import BufferHints
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
-from weightsync.glue.replies import on_board, reply_board_answer
+from weightsync.glue.replies import on_board, post_reply, reply_board_answer
 
 #: How many closed sessions a trainer party remembers (who closed them), for the message
 #: of a push asked of one.
@@ -85,6 +86,7 @@ class TrainerMixin:
                 wire_dtype=getattr(self, "wire_dtype", None),
             )
             sender.owner = owner
+            sender.answer_early = functools.partial(post_reply, self)
             if isinstance(sender, ShardedSender):
                 sender.known_owners = lambda: tuple(self._senders())
             senders[owner] = sender

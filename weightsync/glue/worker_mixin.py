@@ -30,7 +30,7 @@ from weightsync.core.wire.outcome import Outcome
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.core.wire.settings import DEFAULT_TIMEOUT_S
 from weightsync.glue.protocol import answer, describe, model_of, resolve_device
-from weightsync.glue.replies import REPLYING, on_board, reply_board_answer
+from weightsync.glue.replies import REPLYING, on_board, post_reply, reply_board_answer
 
 
 class WorkerMixin:
@@ -61,8 +61,14 @@ class WorkerMixin:
             )
             receiver.part = getattr(self, "weightsync_part", (0, 1))
             receiver.adapter_sink = getattr(self, "weightsync_adapter_sink", None)
+            receiver.answer_early = self._ws_answer_early
             self._ws_receiver = receiver
         return receiver
+
+    def _ws_answer_early(self, call: SyncCall, value: Any) -> None:
+        """A listener's answer to a push, left on its coordinator's board as well (the call
+        it read from its mailbox names no owner: its session's is this worker's)."""
+        post_reply(self, dataclasses.replace(call, owner=self._wr().owner), value)
 
     def _me(self) -> str:
         receiver = getattr(self, "_ws_receiver", None)

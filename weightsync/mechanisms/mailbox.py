@@ -13,6 +13,9 @@ in the mailbox. Word layout after the control block's header::
     word 3  ANSWERED    seq + 1 once the answer below is complete
     word 4  LENGTH      bytes of the pickled answer
     word 5  STOP        set by the worker when its listener ended (the trainer stops waiting)
+    word 6  PART        slot + 1 on the coordinator's reply board where the worker also
+                        leaves its answer (0: none; ``SyncCall.parts``)
+    word 7  PART_TAG    that board's round tag
     then    the answer's bytes
 
 Both sides of a mailbox live on one host; the doorbell is in
@@ -31,7 +34,7 @@ from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, ShmHandle, SyncCall
 from weightsync.mechanisms.control import ControlBlock
 
-CALL, VERSION, FLAGS, ANSWERED, LENGTH, STOP = range(6)
+CALL, VERSION, FLAGS, ANSWERED, LENGTH, STOP, PART, PART_TAG = range(8)
 _HEADER_WORDS = 8
 #: Room for an answer: a ReceiveResult without checksums, or an error with its message.
 ANSWER_BYTES = 64 * 1024
@@ -55,11 +58,13 @@ class Mailbox:
         return self.control.words[self.control.first + _HEADER_WORDS :].view(np.uint8)
 
     # the trainer's side -------------------------------------------------------------------
-    def post(self, call: SyncCall) -> int:
-        """Post ``call``; returns the call word it replaced (what :meth:`withdraw` restores)."""
+    def post(self, call: SyncCall, part: tuple[int, int] | None = None) -> int:
+        """Post ``call`` (``part``: the worker's (slot, round tag) on the coordinator's reply
+        board); returns the call word it replaced (what :meth:`withdraw` restores)."""
         replaced = self.control[CALL]
         self.control[VERSION] = call.version
         self.control[FLAGS] = int(call.verify) | int(call.force) << 1
+        self.control[PART], self.control[PART_TAG] = (part[0] + 1, part[1]) if part is not None else (0, 0)
         self.control[CALL] = call.seq + 1
         return replaced
 
@@ -78,13 +83,20 @@ class Mailbox:
         return answer
 
     # the worker's side --------------------------------------------------------------------
-    def posted(self) -> tuple[int, int, bool, bool] | None:
-        """(seq, version, verify, force) of the sync posted last, or None."""
+    def posted(self) -> SyncCall | None:
+        """The sync posted last (its ``reply``: the slot where the worker also leaves its
+        answer), or None."""
         call = self.control[CALL]
         if not call:
             return None
-        flags = self.control[FLAGS]
-        return call - 1, self.control[VERSION], bool(flags & 1), bool(flags & 2)
+        flags, part = self.control[FLAGS], self.control[PART]
+        return SyncCall(
+            seq=call - 1,
+            version=self.control[VERSION],
+            verify=bool(flags & 1),
+            force=bool(flags & 2),
+            reply=(part - 1, self.control[PART_TAG]) if part else None,
+        )
 
     def reply(self, seq: int, answer: PushAnswer, shorten: Callable[[PushAnswer], PushAnswer]) -> None:
         """Write ``answer`` (or, when it does not fit, ``shorten(answer)``) as sync ``seq``'s."""

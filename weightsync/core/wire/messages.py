@@ -196,9 +196,23 @@ class SyncCall:
     #: Where this party also leaves its answer to the call: (slot, round tag) of the reply
     #: board of coordinator ``owner`` (:mod:`weightsync.glue.replies`); None: through Ray only.
     reply: tuple[int, int] | None = None
+    #: A push through ``WeightSync.sync``: per party, the slot of ``reply``'s board round where
+    #: it also leaves its part of the push's answer as soon as it has it (the trainer party its
+    #: send's outcome, each listening worker its PushAnswer), so the coordinator reads the
+    #: answer without the trainer relaying the workers' (:meth:`part`).
+    parts: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(
+            isinstance(self.parts, tuple)
+            and all(
+                isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _is_int(p[1]) and p[1] >= 0
+                for p in self.parts
+            ),
+            f"parts must be a tuple of (party name, slot >= 0) pairs, got {self.parts!r}",
+        )
+        _require(not self.parts or self.reply is not None, f"parts {self.parts!r} need a reply slot's round tag")
         _require(
             self.reply is None
             or (
@@ -245,6 +259,12 @@ class SyncCall:
     def to(self, kind: str) -> tuple[str, ...]:
         """The workers of transport ``kind`` written this time (once resolved)."""
         return (self.targets or {}).get(kind, ())
+
+    def part(self, party: str) -> tuple[int, int] | None:
+        """The (slot, round tag) where ``party`` leaves its part of this push's answer, or
+        None when it leaves none."""
+        slot = dict(self.parts).get(party)
+        return None if slot is None or self.reply is None else (slot, self.reply[1])
 
 
 @dataclass(frozen=True, kw_only=True)

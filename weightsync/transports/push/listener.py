@@ -11,7 +11,9 @@ are never read while they are written. Life of one listener::
     push's "listen" action: WeightReceiver.listen(make a Listener) -> PushExport
                               (mailbox + doorbell; the thread starts)
     trainer attaches the mailbox; push's "seal" action unlinks its name
-    per push: ring -> posted() -> receive_pushed(call) under the gate -> reply(seq, PushAnswer)
+    per push: ring -> posted() -> receive_pushed(call) under the gate
+              -> reply(seq, PushAnswer) to the trainer, then tell(call, PushAnswer) when the
+                 call names a slot on the coordinator's reply board (``SyncCall.parts``)
     WeightReceiver.close_transports() -> Listener.close()  (stops and joins the thread)
 """
 
@@ -48,8 +50,11 @@ class Listener:
         receive: Callable[[SyncCall], ReceiveResult],
         status: Callable[[], tuple[int | None, str]],
         gate: threading.RLock,
+        tell: Callable[[SyncCall, PushAnswer], None] | None = None,
     ) -> None:
         self.name = name
+        #: Leaves an answer in the slot its call names (the glue's reply board).
+        self._tell = tell
         self.device = device
         self._receive = receive
         self._status = status
@@ -81,11 +86,10 @@ class Listener:
             while not self._stop.is_set():
                 self.doorbell.wait(_IDLE_S)
                 posted = self.mailbox.posted()
-                if self._stop.is_set() or posted is None or posted[0] == last:
+                if self._stop.is_set() or posted is None or posted.seq == last:
                     continue
-                seq, version, verify, force = posted
-                last = seq
-                self._serve(SyncCall(seq=seq, version=version, verify=verify, force=force))
+                last = posted.seq
+                self._serve(posted)
         except BaseException as exc:  # logged; STOP below tells the trainer at once
             log.error("weightsync: %s's listener ended: %s", self.name, exc, exc_info=exc)
         finally:
@@ -114,11 +118,15 @@ class Listener:
             self.mailbox.reply(call.seq, answer, _shortened)
         except WeightSyncError as exc:  # even cut, it did not fit: answer that, and serve on
             why = WeightSyncError(f"{self.name}: its answer to sync {call.seq} did not fit its mailbox ({exc})")
-            self.mailbox.reply(
-                call.seq,
-                PushAnswer(outcome=failed(self.name, "receive", why), version=version, state=state),
-                _shortened,
-            )
+            answer = PushAnswer(outcome=failed(self.name, "receive", why), version=version, state=state)
+            self.mailbox.reply(call.seq, answer, _shortened)
+        if call.reply is not None and self._tell is not None:
+            # After the mailbox: a coordinator that goes on once it reads this never leaves
+            # the trainer waiting for an answer (this worker may freeze or die meanwhile).
+            try:
+                self._tell(call, answer)
+            except Exception as exc:  # noqa: BLE001 - the trainer's answer carries this one too
+                log.warning("weightsync: %s could not leave its answer to sync %d early: %r", self.name, call.seq, exc)
 
     def stop(self) -> None:
         """Ask the thread to end; it answers a sync in flight first. Never blocks: the ring

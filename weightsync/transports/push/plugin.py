@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from weightsync.core.plugin import Mode, Opening, Request, TrainerSide, WorkerSide
 from weightsync.core.wire.errors import SettingsError
-from weightsync.core.wire.messages import PushResult, SyncCall
+from weightsync.core.wire.messages import PushAnswer, PushResult, SyncCall
 from weightsync.transports.push.listener import Listener
 from weightsync.transports.push.messages import PushExport
 from weightsync.transports.push.pusher import Pusher
@@ -42,8 +42,12 @@ def _arm(side: TrainerSide, exports: tuple[PushExport, ...]) -> None:
 
 
 def _listen(side: WorkerSide) -> PushExport:
+    def tell(call: SyncCall, answer: PushAnswer) -> None:
+        if side.answer_early is not None:
+            side.answer_early(call, answer)
+
     def start() -> Listener:
-        return Listener(side.session.party, side.device, side.receive_pushed, side.status, side.gate)
+        return Listener(side.session.party, side.device, side.receive_pushed, side.status, side.gate, tell)
 
     listener = side.listen(start)
     assert isinstance(listener, Listener)
@@ -85,7 +89,7 @@ def push_sync(side: TrainerSide, call: SyncCall, owner: str = "") -> PushResult:
     """One pushed sync from the trainer party ``side`` (see :class:`Pusher`); ``side`` is
     ``owner``'s session already, picked by the trainer party."""
     half = side.half(PUSH.over)
-    return pusher_of(side).push(side.send, call, getattr(half, "abandon", None))
+    return pusher_of(side).push(side.send, call, getattr(half, "abandon", None), side.answer_early)
 
 
 PUSH = Mode(

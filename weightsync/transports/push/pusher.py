@@ -9,6 +9,8 @@ inside the trainer's own method, for a loop that trains and pushes in one call. 
     Pusher.push(send, call)
       post the call in every listening worker's mailbox, ring each doorbell
       send(call)                  the direct half: wait for each announcement, copy, "written"
+      tell(call, sent)            when the call names this party a part (``SyncCall.parts``):
+                                  the coordinator builds the answer from the parts' posts
       collect each worker's PushAnswer (its outcome, version and state), by the deadline
     -> PushResult                 failures as data, as from Ray calls
 
@@ -22,6 +24,7 @@ after a failed push this pusher answers ``setup_needed`` until ``WeightSync.setu
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +39,8 @@ from weightsync.mechanisms.mailbox import ANSWERED, Mailbox
 from weightsync.mechanisms.regions import RegionImporter
 from weightsync.mechanisms.shm import pid_alive
 from weightsync.transports.push.messages import PushExport
+
+log = logging.getLogger("weightsync")
 
 
 @dataclass
@@ -76,12 +81,14 @@ class Pusher:
         send: Callable[[SyncCall], SendResult],
         call: SyncCall,
         abandon: Callable[[str, int], None] | None = None,
+        tell: Callable[[SyncCall, Outcome], None] | None = None,
     ) -> PushResult:
         """Run one sync of the listening workers ``call.to(kind)`` (all of them when none are
         named; its seq is this pusher's); failures come back as data. ``abandon(worker, seq)``
         (the transport's) tells a worker's half that this side gives up on it in sync ``seq``
         before writing anything: a listener that read a call withdrawn from its mailbox then
-        fails it at once, before touching the weights."""
+        fails it at once, before touching the weights. ``tell(call, sent)`` leaves the send's
+        outcome in the slot ``call.reply`` names, when ``call.parts`` gives this party one."""
         with self._lock:
             if self.closing:
                 raise SessionTornDown(
@@ -89,10 +96,14 @@ class Pusher:
                     "the push session was torn down (close(), a new setup, a failed sync or remove_worker()) "
                     "before this push started; run WeightSync.setup() from the driver"
                 )
-            return self._push(send, call, abandon)
+            return self._push(send, call, abandon, tell)
 
     def _push(
-        self, send: Callable[[SyncCall], SendResult], call: SyncCall, abandon: Callable[[str, int], None] | None
+        self,
+        send: Callable[[SyncCall], SendResult],
+        call: SyncCall,
+        abandon: Callable[[str, int], None] | None,
+        tell: Callable[[SyncCall, Outcome], None] | None,
     ) -> PushResult:
         start = time.perf_counter()
         deadline = self.deadlines.follower(time.monotonic())
@@ -113,7 +124,7 @@ class Pusher:
         for worker in targets:
             box = self._boxes[worker]
             if not box.mailbox.stopped:
-                replaced = box.mailbox.post(call)
+                replaced = box.mailbox.post(call, call.part(worker))
                 try:
                     if ring(box.export.doorbell, box.export.doorbell_key, deadline, worker):
                         continue
@@ -138,6 +149,7 @@ class Pusher:
                 sent = ok(self.name, "send", send(replace(call, targets={self.kind: live})) if live else SendResult())
             except Exception as exc:  # noqa: BLE001 - travels as data, with the workers' answers
                 sent = failed(self.name, "send", exc)
+            self._tell(tell, call, sent)
             for worker in live:
                 answers[worker] = self._collect(worker, call.seq, deadline)
             result = PushResult(version=call.version, sent=sent, workers=answers, seconds=time.perf_counter() - start)
@@ -146,6 +158,15 @@ class Pusher:
             self.broken = True
         self.broken = not result.ok
         return result
+
+    def _tell(self, tell: Callable[[SyncCall, Outcome], None] | None, call: SyncCall, sent: Outcome) -> None:
+        part = call.part(self.name)
+        if tell is None or part is None:
+            return
+        try:
+            tell(replace(call, reply=part, parts=()), sent)
+        except Exception as exc:  # noqa: BLE001 - the coordinator reads this push's whole answer instead
+            log.warning("weightsync: %s could not leave its send's outcome early: %r", self.name, exc)
 
     def _collect(self, worker: str, seq: int, deadline: float) -> PushAnswer:
         """``worker``'s answer to push ``seq``; its death, silence or lost listener as data."""
