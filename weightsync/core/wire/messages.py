@@ -7,6 +7,7 @@ construction, so a malformed message is refused where it arrives, by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +17,11 @@ from weightsync.core.wire.report import StageReport
 from weightsync.core.wire.shm_names import confined_path
 
 
-def _require(condition: bool, message: str) -> None:
+def _require(condition: bool, message: str | Callable[[], str]) -> None:
+    """Refuse a message whose ``condition`` fails; a callable ``message`` (for messages built
+    on every sync) is formatted only then."""
     if not condition:
-        raise WeightSyncError(message)
+        raise WeightSyncError(message if isinstance(message, str) else message())
 
 
 def _is_int(value: object) -> bool:
@@ -203,16 +206,20 @@ class SyncCall:
     parts: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.seq) and self.seq >= 0, f"sync sequence must be a non-negative int, got {self.seq!r}")
+        _require(
+            _is_int(self.seq) and self.seq >= 0, lambda: f"sync sequence must be a non-negative int, got {self.seq!r}"
+        )
         _require(
             isinstance(self.parts, tuple)
             and all(
                 isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _is_int(p[1]) and p[1] >= 0
                 for p in self.parts
             ),
-            f"parts must be a tuple of (party name, slot >= 0) pairs, got {self.parts!r}",
+            lambda: f"parts must be a tuple of (party name, slot >= 0) pairs, got {self.parts!r}",
         )
-        _require(not self.parts or self.reply is not None, f"parts {self.parts!r} need a reply slot's round tag")
+        _require(
+            not self.parts or self.reply is not None, lambda: f"parts {self.parts!r} need a reply slot's round tag"
+        )
         _require(
             self.reply is None
             or (
@@ -222,34 +229,34 @@ class SyncCall:
                 and self.reply[0] >= 0
                 and self.reply[1] >= 1
             ),
-            f"a reply slot is None or (slot >= 0, round tag >= 1), got {self.reply!r}",
+            lambda: f"a reply slot is None or (slot >= 0, round tag >= 1), got {self.reply!r}",
         )
-        _require(isinstance(self.owner, str), f"a sync's owner must be a coordinator's label, got {self.owner!r}")
+        _require(
+            isinstance(self.owner, str), lambda: f"a sync's owner must be a coordinator's label, got {self.owner!r}"
+        )
         _require(
             isinstance(self.delta_holds, tuple) and all(isinstance(w, str) and _is_int(t) for w, t in self.delta_holds),
-            f"delta_holds must be a tuple of (worker name, token) pairs, got {self.delta_holds!r}",
+            lambda: f"delta_holds must be a tuple of (worker name, token) pairs, got {self.delta_holds!r}",
         )
         _require(
             _is_int(self.delta_token) and self.delta_token >= 0,
-            f"delta_token must be a non-negative int, got {self.delta_token!r}",
+            lambda: f"delta_token must be a non-negative int, got {self.delta_token!r}",
         )
         _require(
             isinstance(self.chained, tuple) and all(isinstance(w, str) for w in self.chained),
-            f"chained must be a tuple of worker names, got {self.chained!r}",
+            lambda: f"chained must be a tuple of worker names, got {self.chained!r}",
         )
-        _require(_is_int(self.version), f"version must be an int, got {self.version!r}")
+        _require(_is_int(self.version), lambda: f"version must be an int, got {self.version!r}")
         _require(
             isinstance(self.verify, bool) and isinstance(self.force, bool), "verify and force must be True or False"
         )
         _require(
             self.targets is None or isinstance(self.targets, dict),
-            f"targets must map transports to workers, got {self.targets!r}",
+            lambda: f"targets must map transports to workers, got {self.targets!r}",
         )
         for kind, workers in (self.targets or {}).items():
-            _require(
-                isinstance(kind, str) and isinstance(workers, tuple) and all(isinstance(w, str) for w in workers),
-                f"targets[{kind!r}] must be a tuple of worker names, got {workers!r}",
-            )
+            if not (isinstance(kind, str) and isinstance(workers, tuple) and all(isinstance(w, str) for w in workers)):
+                raise WeightSyncError(f"targets[{kind!r}] must be a tuple of worker names, got {workers!r}")
 
     @property
     def kinds(self) -> tuple[str, ...]:
