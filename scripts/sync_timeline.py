@@ -141,7 +141,7 @@ def main() -> None:
         marks.setdefault("worker listener wakes" if push else "worker call starts", []).append(receives[i][0] - t0)
         if announced:
             marks.setdefault("worker announces", []).append(announced[i] - t0)
-        for name, calls in (("push posts", trainer_stamps["pushes"]), ("send begins", trainer_stamps["senders"])):
+        for name, calls in (("pusher starts", trainer_stamps["pushes"]), ("send begins", trainer_stamps["senders"])):
             if len(calls) == len(sends):
                 marks.setdefault(name, []).append(calls[i][0] - t0)
         if len(walks) == len(sends):
