@@ -9,12 +9,14 @@ import logging
 import pickle
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import ray
+import torch
 
-from tests.helpers import MixedModel, perturb
+from tests.helpers import MixedModel, perturb, state_of
 from tests.test_ray_e2e import assert_workers_match, get
 from weightsync import WeightReceiver, WeightSender, WeightSync
 from weightsync.core import registry
@@ -120,72 +122,70 @@ def test_no_parts_when_a_party_does_not_answer_on_the_board(round_: ReplyRound) 
 
 
 # the parties' posts, in one process --------------------------------------------------------
-@pytest.mark.parametrize("verify", [False, True])
-def test_the_trainer_and_a_listener_leave_their_parts_in_the_slots_the_call_names(verify: bool) -> None:
+@dataclass
+class LocalPush:
+    """A trainer and one listening direct worker set up in this process, no Ray."""
+
+    trainer_model: MixedModel
+    worker_model: MixedModel
+    sender: WeightSender
+    receiver: WeightReceiver
+
+    def push(self, call: SyncCall) -> PushResult:
+        perturb(self.trainer_model, seed=100 + call.version)  # bits neither model held
+        result = registry.mode("push").sync(self.sender, call, "")
+        theirs = state_of(self.worker_model)
+        for name, tensor in state_of(self.trainer_model).items():
+            assert torch.equal(tensor, theirs[name]), name
+        return result
+
+
+@pytest.fixture
+def local_push() -> Iterator[LocalPush]:
     trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
     sender = WeightSender(model=trainer_model)
     manifest = sender.manifest(SyncSettings(timeout_s=30.0))
     receiver = WeightReceiver(worker_model, name="w")
     receiver.accept(manifest, timeout_s=30.0)
-    told: dict[str, tuple[SyncCall, Any]] = {}
-    sender.answer_early = lambda call, value: told.__setitem__("trainer", (call, value))
-    receiver.answer_early = lambda call, value: told.__setitem__("w", (call, value))
     try:
         open_local(registry.get("direct"), sender, {"w": receiver})
         open_local(registry.mode("push"), sender, {"w": receiver})
-        perturb(trainer_model, seed=5)
-        call = SyncCall(seq=0, version=1, verify=verify, reply=(0, 4), parts=(("trainer", 1), ("w", 2)))
-        result = registry.mode("push").sync(sender, call, "")
-        assert result.ok
-        assert_same(trainer_model, worker_model)
-        trainer_call, sent = told["trainer"]
-        assert trainer_call.reply == (1, 4) and sent == result.sent
-        worker_call, answer = told["w"]
-        assert worker_call.reply == (2, 4) and isinstance(answer, PushAnswer)
-        assert answer.outcome.ok and (answer.version, answer.state) == (1, "committed")
-        assert answer.outcome.value == result.workers["w"].outcome.value
+        yield LocalPush(trainer_model, worker_model, sender, receiver)
     finally:
         receiver.close_transports(abort=True)
         sender.close_transports(abort=True)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_trainer_and_a_listener_leave_their_parts_in_the_slots_the_call_names(
+    local_push: LocalPush, verify: bool
+) -> None:
+    told: dict[str, tuple[SyncCall, Any]] = {}
+    local_push.sender.answer_early = lambda call, value: told.__setitem__("trainer", (call, value))
+    local_push.receiver.answer_early = lambda call, value: told.__setitem__("w", (call, value))
+    result = local_push.push(SyncCall(seq=0, version=1, verify=verify, reply=(0, 4), parts=(("trainer", 1), ("w", 2))))
+    assert result.ok
+    trainer_call, sent = told["trainer"]
+    assert trainer_call.reply == (1, 4) and sent == result.sent
+    worker_call, answer = told["w"]
+    assert worker_call.reply == (2, 4) and isinstance(answer, PushAnswer)
+    assert answer.outcome.ok and (answer.version, answer.state) == (1, "committed")
+    assert answer.outcome.value == result.workers["w"].outcome.value
 
 
 def test_a_part_that_cannot_be_left_is_logged_and_the_push_answers_as_before(
-    caplog: pytest.LogCaptureFixture,
+    local_push: LocalPush, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trainer_model, worker_model = MixedModel(seed=0), MixedModel(seed=1)
-    sender = WeightSender(model=trainer_model)
-    manifest = sender.manifest(SyncSettings(timeout_s=30.0))
-    receiver = WeightReceiver(worker_model, name="w")
-    receiver.accept(manifest, timeout_s=30.0)
-
     def broken(call: SyncCall, value: Any) -> None:
         raise OSError(f"the board of slot {call.reply} is gone")
 
-    sender.answer_early = receiver.answer_early = broken
-    try:
-        open_local(registry.get("direct"), sender, {"w": receiver})
-        open_local(registry.mode("push"), sender, {"w": receiver})
-        perturb(trainer_model, seed=6)
-        with caplog.at_level(logging.WARNING, logger="weightsync"):
-            result = registry.mode("push").sync(
-                sender, SyncCall(seq=0, version=3, reply=(0, 1), parts=(("trainer", 1), ("w", 2))), ""
-            )
-        assert result.ok and result.workers["w"].version == 3
-        assert_same(trainer_model, worker_model)
-        warned = [r.getMessage() for r in caplog.records]
-        assert any("w could not leave its answer to sync 0 early" in m and "gone" in m for m in warned), warned
-        assert any("could not leave its send's outcome early" in m for m in warned), warned
-    finally:
-        receiver.close_transports(abort=True)
-        sender.close_transports(abort=True)
-
-
-def assert_same(trainer_model: Any, worker_model: Any) -> None:
-    import torch
-
-    theirs = dict(worker_model.state_dict())
-    for name, tensor in trainer_model.state_dict().items():
-        assert torch.equal(tensor, theirs[name]), name
+    local_push.sender.answer_early = local_push.receiver.answer_early = broken
+    with caplog.at_level(logging.WARNING, logger="weightsync"):
+        result = local_push.push(SyncCall(seq=0, version=3, reply=(0, 1), parts=(("trainer", 1), ("w", 2))))
+    assert result.ok and result.workers["w"].version == 3
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("w could not leave its answer to sync 0 early" in m and "gone" in m for m in warned), warned
+    assert any("could not leave its send's outcome early" in m for m in warned), warned
 
 
 # through Ray ------------------------------------------------------------------------------
