@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import ray
 
 from weightsync import WeightSync
 from weightsync.tools.bench import probes
 from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, timed_syncs
 from weightsync.tools.models import SIZES
 
 
@@ -59,12 +58,8 @@ def main() -> None:
                 copy_s = ray.get(trainer.call.remote(probes.raw_copy_seconds, manifest.total_bytes, 5), timeout=600)
             agreed[text] = f"{manifest.agreed.buffer_bytes / unit:g} x {manifest.agreed.num_buffers}"
             agreed[text] += f", {len(manifest.chunks)} chunks"
-            for i in range(args.syncs + 2):
-                version += 1
-                start = time.perf_counter()
-                ws.sync(version)
-                if i >= 2:
-                    times[text].append(time.perf_counter() - start)
+            times[text] += timed_syncs(ws, version, args.syncs + 2, skip=2)
+            version += args.syncs + 2
             ws.close()
             print(
                 f"round {round_index} {text} ({agreed[text]}): {statistics.median(times[text][-args.syncs :]) * 1e3:.2f} ms"

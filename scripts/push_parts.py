@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 from weightsync import WeightSync
 from weightsync.glue import round as round_module
 from weightsync.glue.push_parts import PushParts
 from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, timed_syncs
 
 KINDS = ("direct", "push", "push, relayed")
 
@@ -50,12 +49,8 @@ def main() -> None:
             round_module.PushParts = _Relayed if kind == "push, relayed" else PushParts  # type: ignore[misc,assignment]
             ws = WeightSync(trainer, [worker], transport="direct", push=push)
             ws.setup()
-            for i in range(args.syncs):
-                version += 1
-                start = time.perf_counter()
-                ws.sync(version)
-                if i:
-                    times[kind].append(time.perf_counter() - start)
+            times[kind] += timed_syncs(ws, version, args.syncs)
+            version += args.syncs
             ws.close()
     medians = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
     for kind in KINDS:

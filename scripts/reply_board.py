@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from weightsync import WeightSync
 from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, timed_syncs
 
 
 def main() -> None:
@@ -39,12 +38,8 @@ def main() -> None:
             board = block % 2 == 0
             ws = WeightSync(trainer, [worker], transport="direct" if push else transport, push=push, reply_board=board)
             ws.setup()
-            for i in range(args.syncs):
-                version += 1
-                start = time.perf_counter()
-                ws.sync(version)
-                if i:
-                    times[board].append(time.perf_counter() - start)
+            times[board] += timed_syncs(ws, version, args.syncs)
+            version += args.syncs
             ws.close()
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(

@@ -1,13 +1,16 @@
 """A trainer and a worker on one device, for the scripts that time or profile one colocated
-sync (``scripts/sync_timeline.py``, ``scripts/profile_sync.py``, ``scripts/ipc_slots.py``).
+sync (``scripts/sync_timeline.py``, ``scripts/profile_sync.py``, ``scripts/ipc_slots.py``,
+``scripts/reply_board.py``, ``scripts/push_parts.py``).
 
 Call order: ``connect()`` -> ``trainer, worker = colocated_pair(size, device)`` ->
-``WeightSync(trainer, [worker], ...)``. Subclasses of the actor classes (stamped or
-profiled ones) go in ``trainer_cls`` / ``worker_cls``.
+``WeightSync(trainer, [worker], ...)``, then per block of syncs ``ws.setup()`` ->
+``timed_syncs(ws, version, count)`` -> ``ws.close()``. Subclasses of the actor classes
+(stamped or profiled ones) go in ``trainer_cls`` / ``worker_cls``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -29,3 +32,15 @@ def colocated_pair(
         ray.remote(worker_cls).options(num_cpus=0, num_gpus=gpus).remote(PolicyFactory(size, 1, device), device=device)
     )
     return trainer, worker
+
+
+def timed_syncs(ws: Any, version: int, count: int, skip: int = 1) -> list[float]:
+    """Seconds of each of ``count`` syncs of ``ws`` (versions ``version + 1`` on), the first
+    ``skip`` left out (a block's first syncs warm its halves up)."""
+    times = []
+    for i in range(count):
+        start = time.perf_counter()
+        ws.sync(version + 1 + i)
+        if i >= skip:
+            times.append(time.perf_counter() - start)
+    return times
