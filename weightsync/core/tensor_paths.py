@@ -10,6 +10,7 @@ they record the links once and look each up again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 
 import torch
 from torch import nn
@@ -24,8 +25,9 @@ class TensorPaths:
     building names (which costs more per sync than the copies of a small model).
     The number of entries in every module's tables is recorded too, so a tensor or module
     added anywhere is noticed, and so is each module's set of non-persistent buffers, so a
-    buffer made persistent or non-persistent (which a full walk would add or drop) is too. A tensor object can still have been given new storage or a
-    new dtype (``p.data = ...``): callers compare data pointers, shapes and dtypes for that.
+    buffer made persistent or non-persistent (which a full walk would add or drop) is too.
+    A tensor object can still have been given new storage or a new dtype (``p.data = ...``):
+    callers compare data pointers, shapes and dtypes for that.
     """
 
     def __init__(self, module: nn.Module, names: Sequence[str]) -> None:
@@ -54,22 +56,26 @@ class TensorPaths:
             for buffer_name in sub._buffers:
                 if buffer_name not in sub._non_persistent_buffers_set and sub._buffers[buffer_name] is not None:
                     follow(f"{module_name}.{buffer_name}" if module_name else buffer_name)
-        self._links = list(links.values())
+        # Kept as parallel lists so that :meth:`unchanged` runs its loops in C (``map``):
+        # a per-sync Python loop over a few hundred links costs more than the lookups.
+        recorded = list(links.values())
+        self._tables = [table for table, _, _ in recorded]
+        self._keys = [key for _, key, _ in recorded]
+        self._objects = [obj for _, _, obj in recorded]
         # How many entries each module's tables hold: a tensor or module added anywhere
         # (which no recorded link would notice) changes one of these counts.
-        self._census = [
-            (table, len(table)) for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)
-        ]
+        self._counted = [table for sub in module.modules() for table in (sub._parameters, sub._buffers, sub._modules)]
+        self._counts = [len(table) for table in self._counted]
         # Which buffers each module keeps out of its state: ``register_buffer(name, buffer,
         # persistent=...)`` on a registered name moves it in or out of the synced tensors
         # while every table keeps its objects and counts.
-        self._transient = [
-            (sub._non_persistent_buffers_set, frozenset(sub._non_persistent_buffers_set)) for sub in module.modules()
-        ]
+        self._transient = [sub._non_persistent_buffers_set for sub in module.modules()]
+        self._transient_then = [frozenset(names) for names in self._transient]
 
     def unchanged(self) -> bool:
+        # A module's tables are dicts (``nn.Module`` makes them so), so ``dict.get`` maps.
         return (
-            all(len(table) == count for table, count in self._census)
-            and all(table.get(key) is obj for table, key, obj in self._links)
-            and all(names == then for names, then in self._transient)
+            list(map(len, self._counted)) == self._counts
+            and self._transient == self._transient_then
+            and all(map(is_, map(dict.get, self._tables, self._keys), self._objects))
         )

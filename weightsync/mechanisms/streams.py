@@ -27,6 +27,12 @@ _PR_GET_TIMERSLACK = 30
 _this_thread = threading.local()
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (each load costs a dlopen and a new class)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 @contextlib.contextmanager
 def precise_sleeps() -> Iterator[None]:
     """Within the block, let the calling thread's short sleeps end on time (Linux; elsewhere
@@ -43,7 +49,7 @@ def precise_sleeps() -> Iterator[None]:
     if getattr(_this_thread, "precise", False) or not sys.platform.startswith("linux"):
         yield
         return
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     before = libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
     if before < 0 or libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) != 0:
         log.debug("weightsync: could not shorten this thread's timer slack (errno %d)", ctypes.get_errno())

@@ -329,11 +329,11 @@ class ReceiveResult:
         object.__setattr__(self, "parts", tuple(self.parts))
         _require(
             self.stage is None or isinstance(self.stage, StageReport),
-            f"{self.worker}: a receive result's stage must be a StageReport, got {type(self.stage).__name__}",
+            lambda: f"{self.worker}: a receive result's stage must be a StageReport, got {type(self.stage).__name__}",
         )
         _require(
             all(isinstance(p, ReceiveResult) and not p.parts for p in self.parts),
-            f"{self.worker}: a receive result's parts must be ReceiveResults of single parts",
+            lambda: f"{self.worker}: a receive result's parts must be ReceiveResults of single parts",
         )
 
 
@@ -346,7 +346,7 @@ class PushAnswer:
     state: str
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.outcome, Outcome), f"a push answer carries an Outcome, got {self.outcome!r}")
+        _require(isinstance(self.outcome, Outcome), lambda: f"a push answer carries an Outcome, got {self.outcome!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
