@@ -1,6 +1,6 @@
 """A trainer and a worker on one device, for the scripts that time or profile one colocated
 sync (``scripts/sync_timeline.py``, ``scripts/profile_sync.py``, ``scripts/ipc_slots.py``,
-``scripts/reply_board.py``, ``scripts/push_parts.py``).
+``scripts/reply_board.py``, ``scripts/push_parts.py``, ``scripts/profile_push.py``).
 
 Call order: ``connect()`` -> ``trainer, worker = colocated_pair(size, device)`` ->
 ``WeightSync(trainer, [worker], ...)``, then per block of syncs ``ws.setup()`` ->
@@ -11,6 +11,7 @@ Call order: ``connect()`` -> ``trainer, worker = colocated_pair(size, device)`` 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -20,17 +21,18 @@ from weightsync.tools.models import PolicyFactory
 
 
 def colocated_pair(
-    size: str, device: str, trainer_cls: type = TrainerHost, worker_cls: type = WorkerHost
+    size: str, device: str, trainer_cls: type = TrainerHost, worker_cls: type = WorkerHost, layers: int = 0
 ) -> tuple[Any, Any]:
     """A trainer (seed 0) and a worker (seed 1) holding ``PolicyFactory(size)`` on ``device``,
-    at half a GPU each on CUDA and no CPU reserved, so both fit any machine with one."""
+    at half a GPU each on CUDA and no CPU reserved, so both fit any machine with one.
+    ``layers``: that many blocks instead of the size's own (``layers=32`` gives a small size
+    the 16gb model's 194 tensors: host work grows with the tensor count, not their bytes)."""
     gpus = 0.5 if device == "cuda" else 0
-    trainer: Any = (
-        ray.remote(trainer_cls).options(num_cpus=0, num_gpus=gpus).remote(PolicyFactory(size, 0, device), device=device)
-    )
-    worker: Any = (
-        ray.remote(worker_cls).options(num_cpus=0, num_gpus=gpus).remote(PolicyFactory(size, 1, device), device=device)
-    )
+    factories = [PolicyFactory(size, seed, device) for seed in (0, 1)]
+    for factory in factories:
+        factory.cfg = replace(factory.cfg, layers=layers or factory.cfg.layers)
+    trainer: Any = ray.remote(trainer_cls).options(num_cpus=0, num_gpus=gpus).remote(factories[0], device=device)
+    worker: Any = ray.remote(worker_cls).options(num_cpus=0, num_gpus=gpus).remote(factories[1], device=device)
     return trainer, worker
 
 
