@@ -106,7 +106,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+def unstartable(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    """An engine that cannot start (see its test), launched before the module's engine: its
+    start fails in its own processes while the other engine starts (each start runs mostly
+    on one core at a time), and its test reads the failure it left."""
+    kwargs = engine_kwargs(checkpoint, gpu_memory_utilization=0.99)
+    kwargs["env"] = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    handle = VLLMWorker.options(num_cpus=0).remote(**kwargs)
+    yield handle
+    ray.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, checkpoint: str, unstartable: Any) -> Iterator[Any]:
     handle = start_engine(checkpoint, name="vllm")
     yield handle
     stop_engine(handle)
@@ -292,20 +304,14 @@ def test_a_trainer_with_a_different_model_is_refused_by_name_and_the_engine_keep
     assert all(torch.equal(held_after[n], t) for n, t in held_before.items())
 
 
-def test_an_engine_that_cannot_start_says_why_from_its_log(ray_session: None, checkpoint: str) -> None:
+def test_an_engine_that_cannot_start_says_why_from_its_log(unstartable: Any) -> None:
     """vLLM's own error says only "Engine core initialization failed. See root cause above."
     Here vLLM's CPU worker refuses to reserve 99% of the host's memory for its KV cache."""
-    kwargs = engine_kwargs(checkpoint, gpu_memory_utilization=0.99)
-    kwargs["env"] = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    engine = VLLMWorker.options(num_cpus=0).remote(**kwargs)
-    try:
-        with pytest.raises(ray.exceptions.RayActorError) as failed:
-            get(engine.pid.remote(), ENGINE_START_S)
-        said = str(failed.value)
-        assert "EngineCallError" in said and "the vLLM engine did not start" in said, said
-        assert "/logs/worker-" in said and "memory" in said, said
-    finally:
-        ray.kill(engine)
+    with pytest.raises(ray.exceptions.RayActorError) as failed:
+        get(unstartable.pid.remote(), ENGINE_START_S)
+    said = str(failed.value)
+    assert "EngineCallError" in said and "the vLLM engine did not start" in said, said
+    assert "/logs/worker-" in said and "memory" in said, said
 
 
 def _die_on_load(worker: Any) -> None:
