@@ -50,8 +50,13 @@ def engine_kwargs(path: str, **extra: Any) -> dict[str, Any]:
     return {"model": path, "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 128, "env": ENV, **extra}
 
 
+def launch_engine(path: str, **extra: Any) -> Any:
+    """An engine actor whose start runs on while the caller goes on (see start_engine)."""
+    return VLLMWorker.options(num_cpus=0).remote(**engine_kwargs(path, **extra))
+
+
 def start_engine(path: str, **extra: Any) -> Any:
-    engine = VLLMWorker.options(num_cpus=0).remote(**engine_kwargs(path, **extra))
+    engine = launch_engine(path, **extra)
     get(engine.pid.remote(), ENGINE_START_S)  # the constructor (engine start) has run
     return engine
 

@@ -31,7 +31,13 @@ from tests import fsdp_model as fm  # noqa: E402
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT, ActorPool  # noqa: E402
 from tests.test_casts import deflate, inflate  # noqa: E402
-from tests.test_vllm import engine_prompt_logprobs, start_engine, stop_engine  # noqa: E402
+from tests.test_vllm import (  # noqa: E402
+    ENGINE_START_S,
+    engine_prompt_logprobs,
+    launch_engine,
+    start_engine,
+    stop_engine,
+)
 from weightsync import CastCount, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SyncError  # noqa: E402
 from weightsync.glue.actors import TrainerHost  # noqa: E402
@@ -86,7 +92,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+def fp16_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+    """The last test's fp16 engine, launched before the module's engine so that the two
+    starts overlap (each runs mostly on one core at a time); it idles until that test,
+    which waits for its start and stops it. Stopped here too, should that test not run."""
+    handle = launch_engine(checkpoint, name="vllm16", dtype="float16")
+    yield handle
+    stop_engine(handle)  # nothing left to stop once its test did
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, checkpoint: str, fp16_engine: Any) -> Iterator[Any]:
     handle = start_engine(checkpoint, name="vllm", dtype="float32")
     yield handle
     stop_engine(handle)
@@ -216,14 +232,13 @@ def test_a_rank_killed_mid_sync_leaves_a_staging_engine_serving_its_version(
     assert_engine_holds(engine, get(trainer.call.remote(hf_state)))
 
 
-def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(
-    ray_session: None, checkpoint: str, trainer: Any
-) -> None:
+def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(fp16_engine: Any, trainer: Any) -> None:
     """vLLM's CPU build runs fp16 too: bf16 -> fp16 narrows the exponent range, so the cast
     is listed as lossy; the engine holds the trainer's bf16 values cast to fp16, bit for bit.
-    Its own engine, stopped at the end of the test."""
-    fp16 = start_engine(checkpoint, name="vllm16", dtype="float16")
+    Its own engine (no sync reached it before), stopped at the end of the test."""
+    fp16 = fp16_engine
     try:
+        get(fp16.pid.remote(), ENGINE_START_S)  # its start (launched with the module's engine) has run
         with WeightSync(trainer, {"vllm16": fp16}, buffer_bytes=BUFFER, timeout_s=120) as ws:
             report = ws.sync(1)
             count = len(ws.manifest.specs)  # type: ignore[union-attr]
