@@ -61,20 +61,28 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
+def async_launch(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
+    """The ``AsyncLLM`` engine and its start, launched before the ``LLM`` engine so that the
+    two starts overlap (each runs mostly on one core at a time); ``async_engine`` waits."""
+    handle = AsyncVLLMWorker.options(num_cpus=0).remote(
+        **engine_kwargs(checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait")
+    )
+    yield handle, handle.start.remote()
+    stop_engine(handle)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, checkpoint: str, async_launch: tuple[Any, Any]) -> Iterator[Any]:
     handle = start_engine(checkpoint, name="vllm-staged", stage_updates=True)
     yield handle
     stop_engine(handle)
 
 
 @pytest.fixture(scope="module")
-def async_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
-    handle = AsyncVLLMWorker.options(num_cpus=0).remote(
-        **engine_kwargs(checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait")
-    )
-    get(handle.start.remote(), ENGINE_START_S)
-    yield handle
-    stop_engine(handle)
+def async_engine(async_launch: tuple[Any, Any]) -> Any:
+    handle, started = async_launch
+    get(started, ENGINE_START_S)
+    return handle
 
 
 def gated_trainer(pool: ActorPool, checkpoint: str) -> Any:
