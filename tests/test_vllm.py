@@ -88,13 +88,26 @@ def socket_folders(processes: list[psutil.Process]) -> set[str]:
 def stop_engine(engine: Any) -> None:
     """Stop the engine's processes and the actor; checks every one of them is gone, and the
     folder of the engine's sockets with them."""
-    processes = engine_processes(engine)
-    folders = socket_folders(processes[1:])  # the engine's own processes, not the actor's
+    stop_engines(engine)
+
+
+def stop_engines(*engines: Any) -> None:
+    """:func:`stop_engine` for several engines at once: each one's shutdown (mostly vLLM
+    waiting for its processes to exit) runs beside the others'; the same checks, on all."""
+    processes: list[psutil.Process] = []
+    folders: set[str] = set()
+    running = []  # the engines whose actor is up
+    for engine in engines:
+        own = engine_processes(engine)
+        processes += own
+        folders |= socket_folders(own[1:])  # the engine's own processes, not the actor's
+        if own:
+            running.append(engine)
     try:
-        if processes:
-            get(engine.shutdown.remote())
+        get([engine.shutdown.remote() for engine in running])
     finally:
-        ray.kill(engine)
+        for engine in engines:
+            ray.kill(engine)
     deadline = time.monotonic() + RAY_TIMEOUT
     alive = {p.pid for p in processes}
     while alive and time.monotonic() < deadline:

@@ -37,6 +37,7 @@ from tests.test_vllm import (  # noqa: E402
     get,
     start_engine,
     stop_engine,
+    stop_engines,
 )
 from weightsync import SyncError, SyncReport, WeightSync  # noqa: E402
 from weightsync.core.wire.messages import SyncCall  # noqa: E402
@@ -61,26 +62,31 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def async_launch(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
-    """The ``AsyncLLM`` engine and its start, launched before the ``LLM`` engine so that the
-    two starts overlap (each runs mostly on one core at a time); ``async_engine`` waits."""
-    handle = AsyncVLLMWorker.options(num_cpus=0).remote(
+def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]]:
+    """The ``LLM`` engine, the ``AsyncLLM`` engine and the latter's start, launched first so
+    that the two starts overlap (each runs mostly on one core at a time; ``async_engine``
+    waits for it); both stopped together at the end of the module."""
+    async_handle = AsyncVLLMWorker.options(num_cpus=0).remote(
         **engine_kwargs(checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait")
     )
-    yield handle, handle.start.remote()
-    stop_engine(handle)
+    started = async_handle.start.remote()
+    try:
+        handle = start_engine(checkpoint, name="vllm-staged", stage_updates=True)
+    except BaseException:
+        stop_engine(async_handle)
+        raise
+    yield handle, async_handle, started
+    stop_engines(handle, async_handle)
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str, async_launch: tuple[Any, Any]) -> Iterator[Any]:
-    handle = start_engine(checkpoint, name="vllm-staged", stage_updates=True)
-    yield handle
-    stop_engine(handle)
+def engine(engines: tuple[Any, Any, Any]) -> Any:
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
-def async_engine(async_launch: tuple[Any, Any]) -> Any:
-    handle, started = async_launch
+def async_engine(engines: tuple[Any, Any, Any]) -> Any:
+    _, handle, started = engines
     get(started, ENGINE_START_S)
     return handle
 
