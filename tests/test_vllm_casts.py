@@ -37,6 +37,7 @@ from tests.test_vllm import (  # noqa: E402
     launch_engine,
     start_engine,
     stop_engine,
+    stop_engines,
 )
 from weightsync import CastCount, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SyncError  # noqa: E402
@@ -92,20 +93,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def fp16_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
-    """The last test's fp16 engine, launched before the module's engine so that the two
-    starts overlap (each runs mostly on one core at a time); it idles until that test,
-    which waits for its start and stops it. Stopped here too, should that test not run."""
-    handle = launch_engine(checkpoint, name="vllm16", dtype="float16")
-    yield handle
-    stop_engine(handle)  # nothing left to stop once its test did
+def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
+    """The module's fp32 engine and the last test's fp16 engine, launched first so that the
+    two starts overlap (each runs mostly on one core at a time; the fp16 one idles until its
+    test, which waits for its start); both stopped together at the end of the module."""
+    fp16 = launch_engine(checkpoint, name="vllm16", dtype="float16")
+    try:
+        handle = start_engine(checkpoint, name="vllm", dtype="float32")
+    except BaseException:
+        stop_engine(fp16)
+        raise
+    yield handle, fp16
+    stop_engines(handle, fp16)
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str, fp16_engine: Any) -> Iterator[Any]:
-    handle = start_engine(checkpoint, name="vllm", dtype="float32")
-    yield handle
-    stop_engine(handle)
+def engine(engines: tuple[Any, Any]) -> Any:
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
@@ -232,36 +236,33 @@ def test_a_rank_killed_mid_sync_leaves_a_staging_engine_serving_its_version(
     assert_engine_holds(engine, get(trainer.call.remote(hf_state)))
 
 
-def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(fp16_engine: Any, trainer: Any) -> None:
+def test_an_fp16_engine_takes_a_bf16_wire_and_the_report_names_the_lossy_cast(
+    engines: tuple[Any, Any], trainer: Any
+) -> None:
     """vLLM's CPU build runs fp16 too: bf16 -> fp16 narrows the exponent range, so the cast
     is listed as lossy; the engine holds the trainer's bf16 values cast to fp16, bit for bit.
-    Its own engine (no sync reached it before), stopped at the end of the test."""
-    fp16 = fp16_engine
-    try:
-        get(fp16.pid.remote(), ENGINE_START_S)  # its start (launched with the module's engine) has run
-        with WeightSync(trainer, {"vllm16": fp16}, buffer_bytes=BUFFER, timeout_s=120) as ws:
-            report = ws.sync(1)
-            count = len(ws.manifest.specs)  # type: ignore[union-attr]
-            (worker,) = report.workers
-            assert [(c.wire, c.held, c.tensors, c.loses) for c in worker.casts] == [
-                ("bfloat16", "float16", count, "range")
-            ]
-            assert f"vllm16 {count} tensor(s) bfloat16->float16, loses range" in report.summary()
-            assert worker.overflows == {}
-            # Three values beyond fp16's range: the engine's cast makes them inf, and the
-            # sync's report says where and how many.
-            name = get(trainer.call.remote(inflate, 3))
-            (worker,) = ws.sync(2).workers
-            assert worker.overflows == {name: 3}, worker
-            get(trainer.call.remote(deflate))
-            (worker,) = ws.sync(3).workers
-            assert worker.overflows == {}, worker
-        (held,) = get(fp16.collective_rpc.remote(vm.engine_params))
-        expected = vm.fused(get(trainer.call.remote(hf_state)), torch.bfloat16)
-        for name, tensor in held.items():
-            want = expected["model.embed_tokens.weight" if name == "lm_head.weight" else name].to(torch.float16)
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                tensor = tensor[: want.shape[0]]
-            assert tensor.dtype == torch.float16 and torch.equal(tensor, want), name
-    finally:
-        stop_engine(fp16)
+    Its own engine, which no sync reached before."""
+    fp16 = engines[1]
+    get(fp16.pid.remote(), ENGINE_START_S)  # its start (launched with the module's engine) has run
+    with WeightSync(trainer, {"vllm16": fp16}, buffer_bytes=BUFFER, timeout_s=120) as ws:
+        report = ws.sync(1)
+        count = len(ws.manifest.specs)  # type: ignore[union-attr]
+        (worker,) = report.workers
+        assert [(c.wire, c.held, c.tensors, c.loses) for c in worker.casts] == [("bfloat16", "float16", count, "range")]
+        assert f"vllm16 {count} tensor(s) bfloat16->float16, loses range" in report.summary()
+        assert worker.overflows == {}
+        # Three values beyond fp16's range: the engine's cast makes them inf, and the
+        # sync's report says where and how many.
+        name = get(trainer.call.remote(inflate, 3))
+        (worker,) = ws.sync(2).workers
+        assert worker.overflows == {name: 3}, worker
+        get(trainer.call.remote(deflate))
+        (worker,) = ws.sync(3).workers
+        assert worker.overflows == {}, worker
+    (held,) = get(fp16.collective_rpc.remote(vm.engine_params))
+    expected = vm.fused(get(trainer.call.remote(hf_state)), torch.bfloat16)
+    for name, tensor in held.items():
+        want = expected["model.embed_tokens.weight" if name == "lm_head.weight" else name].to(torch.float16)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = tensor[: want.shape[0]]
+        assert tensor.dtype == torch.float16 and torch.equal(tensor, want), name
