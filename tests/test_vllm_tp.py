@@ -35,6 +35,7 @@ from tests.test_vllm import (  # noqa: E402
     get,
     start_engine,
     stop_engine,
+    stop_engines,
 )
 from tests.test_vllm_async import LONG, sync_with_requests_in_flight  # noqa: E402
 from tests.test_vllm_casts import BUFFER, Rank, gathered  # noqa: E402
@@ -59,10 +60,27 @@ def tp_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
-    handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
-    yield handle
-    stop_engine(handle)
+def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]]:
+    """The module's ``LLM`` engine of 2 TP ranks, and an ``AsyncLLM`` engine of 2 TP ranks
+    for one test with its start, launched first so that the two starts overlap (most of a
+    start runs on one core at a time); the latter idles until its test, which waits for its
+    start. Both stopped together at the end of the module."""
+    async_handle = AsyncVLLMWorker.options(num_cpus=0).remote(
+        **engine_kwargs(checkpoint, name="vllm-async", tensor_parallel_size=TP, env=tp_env())
+    )
+    started = async_handle.start.remote()
+    try:
+        handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
+    except BaseException:
+        stop_engine(async_handle)
+        raise
+    yield handle, async_handle, started
+    stop_engines(handle, async_handle)
+
+
+@pytest.fixture(scope="module")
+def engine(engines: tuple[Any, Any, Any]) -> Any:
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
@@ -262,14 +280,11 @@ def test_a_staged_tp_engine_generates_while_its_ranks_stage_and_swaps_them_toget
 
 
 @pytest.fixture
-def async_engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
-    """An AsyncLLM engine of 2 TP ranks, for one test (it shares the cores with the other)."""
-    handle = AsyncVLLMWorker.options(num_cpus=0).remote(
-        **engine_kwargs(checkpoint, name="vllm-async", tensor_parallel_size=TP, env=tp_env())
-    )
-    get(handle.start.remote(), ENGINE_START_S)
-    yield handle
-    stop_engine(handle)
+def async_engine(engines: tuple[Any, Any, Any]) -> Any:
+    """The AsyncLLM engine of 2 TP ranks, for one test (it shares the cores with the other)."""
+    _, handle, started = engines
+    get(started, ENGINE_START_S)
+    return handle
 
 
 def test_an_async_engine_of_two_tp_ranks_syncs_with_requests_in_flight(
