@@ -63,6 +63,8 @@ def main() -> None:
     plan = copier.plan(destinations, sources)
     streams = SlotStreams(device, 1)
     stream = streams.stream(0)
+    copier.launch(plan, stream)  # the first launch outside the capture: nothing left to load in it
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin()

@@ -32,7 +32,7 @@ import torch
 from weightsync import WeightSync
 from weightsync.core.receiver import WeightReceiver
 from weightsync.core.sender import WeightSender
-from weightsync.core.sinks import ModuleSink
+from weightsync.core.sinks import ModuleSink, module_tensors
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.mechanisms import batched_copy, mailbox, streams
 from weightsync.tools.cluster import connect
@@ -109,7 +109,7 @@ class StampedTrainer(TrainerHost):
 
     def raw_copy_ms(self, repeats: int) -> float:
         """One device copy of a buffer of the model's bytes (median of ``repeats``)."""
-        nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        nbytes = sum(t.numel() * t.element_size() for _, t in module_tensors(self.model))  # tied: once
         source = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         destination = torch.empty_like(source)
         times = []
@@ -177,10 +177,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="blocks of the model (default: the size's own)")
     parser.add_argument("--cprofile", action="store_true", help="also profile a block of pushes function by function")
     args = parser.parse_args()
+    if args.pushes < 3:
+        parser.error(f"--pushes must be at least 3 (the first 2 warm up), got {args.pushes}")
     connect(num_cpus=4)
     trainer, worker = colocated_pair(args.size, args.device, StampedTrainer, StampedWorker, layers=args.layers)
-    ws = WeightSync(trainer, [worker], transport="direct", push=True)
-    ws.setup()
+    with WeightSync(trainer, [worker], transport="direct", push=True):  # set up on entering, closed on leaving
+        timeline(args, trainer, worker)
+
+
+def timeline(args: argparse.Namespace, trainer: Any, worker: Any) -> None:
+    """Time and stamp a block of pushes (the session is set up), then print the timeline."""
     ray.get([trainer.stamp.remote(), worker.stamp.remote()], timeout=60)
     times, _ = ray.get(trainer.pushes.remote(0, args.pushes, False), timeout=600)
     skip = 2
@@ -198,12 +204,11 @@ def main() -> None:
         print(f"{name:<34} {start:8.3f} {end:8.3f}")
     if args.cprofile:
         ray.get(worker.profile_listener.remote(), timeout=60)
-        _, report = ray.get(trainer.pushes.remote(args.pushes, args.pushes, True), timeout=600)
+        _, profiled = ray.get(trainer.pushes.remote(args.pushes, args.pushes, True), timeout=600)
         print("=== trainer (pushes) ===")
-        print(report)
+        print(profiled)
         print("=== worker (listener) ===")
         print(ray.get(worker.listener_report.remote(), timeout=60))
-    ws.close()
 
 
 if __name__ == "__main__":

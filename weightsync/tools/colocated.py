@@ -27,6 +27,8 @@ def colocated_pair(
     at half a GPU each on CUDA and no CPU reserved, so both fit any machine with one.
     ``layers``: that many blocks instead of the size's own (``layers=32`` gives a small size
     the 16gb model's 194 tensors: host work grows with the tensor count, not their bytes)."""
+    if layers < 0:
+        raise ValueError(f"layers is a number of blocks (0: the size's own), got {layers}")
     gpus = 0.5 if device == "cuda" else 0
     factories = [PolicyFactory(size, seed, device) for seed in (0, 1)]
     for factory in factories:
