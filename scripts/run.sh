@@ -149,7 +149,7 @@ fi
 # pytest as given. Each line of dots ends with [done/total], so what remains is visible.
 if [ "$#" = 0 ]; then
   set -- tests
-  echo "test: the whole suite (21 to 28 minutes on 2 cores); each line ends with [done/total]" >&2
+  echo "test: the whole suite (21 to 30 minutes on 2 cores); each line ends with [done/total]" >&2
 fi
 set +e
 "$py" -m pytest -q -o console_output_style=count "$@"
