@@ -62,6 +62,22 @@ def start_engine(path: str, **extra: Any) -> Any:
     return engine
 
 
+def started_beside(launched: Any, pending: Any, path: str, **extra: Any) -> Iterator[Any]:
+    """Start a module's engine while ``launched`` (an engine whose start ``pending`` stands
+    for) starts beside it, so that the two starts overlap (each runs mostly on one core at a
+    time); yields the started engine, then stops both together. A start that fails kills
+    ``launched`` at once (its stop would wait on its start); a start no test waited for ends
+    before the stop. In a module fixture: ``for handle in started_beside(...): yield ...``."""
+    try:
+        handle = start_engine(path, **extra)
+    except BaseException:
+        ray.kill(launched)
+        raise
+    yield handle
+    ray.wait([pending], timeout=ENGINE_START_S)
+    stop_engines(handle, launched)
+
+
 def engine_processes(engine: Any) -> list[psutil.Process]:
     """The engine actor's process and every process under it (vLLM's engine core, its TP
     ranks), read from the process table so that a broken engine is covered too."""

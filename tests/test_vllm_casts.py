@@ -35,8 +35,7 @@ from tests.test_vllm import (  # noqa: E402
     ENGINE_START_S,
     engine_prompt_logprobs,
     launch_engine,
-    start_engine,
-    stop_engines,
+    started_beside,
 )
 from weightsync import CastCount, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.wire.errors import SyncError  # noqa: E402
@@ -97,14 +96,8 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
     two starts overlap (each runs mostly on one core at a time; the fp16 one idles until its
     test, which waits for its start); both stopped together at the end of the module."""
     fp16 = launch_engine(checkpoint, name="vllm16", dtype="float16")
-    try:
-        handle = start_engine(checkpoint, name="vllm", dtype="float32")
-    except BaseException:
-        ray.kill(fp16)  # still starting: its stop would wait on its start
-        raise
-    yield handle, fp16
-    ray.wait([fp16.pid.remote()], timeout=ENGINE_START_S)  # a start no test waited for ends before the stop
-    stop_engines(handle, fp16)
+    for handle in started_beside(fp16, fp16.pid.remote(), checkpoint, name="vllm", dtype="float32"):
+        yield handle, fp16
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,7 @@ from tests.test_vllm import (  # noqa: E402
     assert_logprobs_match,
     engine_kwargs,
     get,
-    start_engine,
-    stop_engines,
+    started_beside,
 )
 from weightsync import SyncError, SyncReport, WeightSync  # noqa: E402
 from weightsync.core.wire.messages import SyncCall  # noqa: E402
@@ -69,14 +68,8 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]
         **engine_kwargs(checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait")
     )
     started = async_handle.start.remote()
-    try:
-        handle = start_engine(checkpoint, name="vllm-staged", stage_updates=True)
-    except BaseException:
-        ray.kill(async_handle)  # still starting: its stop would wait on its start
-        raise
-    yield handle, async_handle, started
-    ray.wait([started], timeout=ENGINE_START_S)  # a start no test waited for ends before the stop
-    stop_engines(handle, async_handle)
+    for handle in started_beside(async_handle, started, checkpoint, name="vllm-staged", stage_updates=True):
+        yield handle, async_handle, started
 
 
 @pytest.fixture(scope="module")

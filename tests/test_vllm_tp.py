@@ -33,8 +33,7 @@ from tests.test_vllm import (  # noqa: E402
     assert_logprobs_match,
     engine_kwargs,
     get,
-    start_engine,
-    stop_engines,
+    started_beside,
 )
 from tests.test_vllm_async import LONG, sync_with_requests_in_flight  # noqa: E402
 from tests.test_vllm_casts import BUFFER, Rank, gathered  # noqa: E402
@@ -68,14 +67,9 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]
         **engine_kwargs(checkpoint, name="vllm-async", tensor_parallel_size=TP, env=tp_env())
     )
     started = async_handle.start.remote()
-    try:
-        handle = start_engine(checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
-    except BaseException:
-        ray.kill(async_handle)  # still starting: its stop would wait on its start
-        raise
-    yield handle, async_handle, started
-    ray.wait([started], timeout=ENGINE_START_S)  # a start no test waited for ends before the stop
-    stop_engines(handle, async_handle)
+    beside = started_beside(async_handle, started, checkpoint, name="vllm-tp2", tensor_parallel_size=TP, env=tp_env())
+    for handle in beside:
+        yield handle, async_handle, started
 
 
 @pytest.fixture(scope="module")
