@@ -21,8 +21,7 @@ import ray
 
 from weightsync import WeightSync
 from weightsync.tools.bench import probes
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair, timed_syncs
+from weightsync.tools.colocated import colocated_pair, connect_colocated, timed_syncs
 from weightsync.tools.models import SIZES
 
 
@@ -43,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     unit = 1 << 30 if args.device == "cuda" else 1 << 20
     layouts = [parse_layout(t, unit) for t in args.layouts.split(",")]
-    connect()
+    connect_colocated(args.device, "scripts/ipc_slots.py")
     trainer, worker = colocated_pair(args.size, args.device)
     times: dict[str, list[float]] = {text: [] for text in args.layouts.split(",")}
     agreed: dict[str, str] = {}

@@ -35,8 +35,7 @@ from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import ModuleSink, module_tensors
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.mechanisms import batched_copy, mailbox, streams
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, connect_colocated
 from weightsync.transports.direct import target, writer
 from weightsync.transports.push import listener, pusher
 
@@ -179,7 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pushes < 3:
         parser.error(f"--pushes must be at least 3 (the first 2 warm up), got {args.pushes}")
-    connect(num_cpus=4)
+    connect_colocated(args.device, "scripts/profile_push.py")
     trainer, worker = colocated_pair(args.size, args.device, StampedTrainer, StampedWorker, layers=args.layers)
     with WeightSync(trainer, [worker], transport="direct", push=True):  # set up on entering, closed on leaving
         timeline(args, trainer, worker)

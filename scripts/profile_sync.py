@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from weightsync import WeightSync
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, connect_colocated
 
 #: Trace categories that are GPU work.
 _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -146,7 +145,7 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="profile the actors' Python (cProfile) instead of the GPU")
     parser.add_argument("--rows", type=int, default=30, help="functions per side with --host (default: 30)")
     args = parser.parse_args()
-    connect(num_cpus=4)
+    connect_colocated(args.device, "scripts/profile_sync.py")
     trainer, worker = colocated_pair(args.size, args.device)
     push = args.transport == "push"
     ws = WeightSync(trainer, [worker], transport="direct" if push else args.transport, push=push)

@@ -18,8 +18,7 @@ from typing import Any
 from weightsync import WeightSync
 from weightsync.glue import round as round_module
 from weightsync.glue.push_parts import PushParts
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair, timed_syncs
+from weightsync.tools.colocated import colocated_pair, connect_colocated, timed_syncs
 
 KINDS = ("direct", "push", "push, relayed")
 
@@ -39,7 +38,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="blocks of each kind, in turn")
     parser.add_argument("--syncs", type=int, default=20, help="syncs per block (the first of each is not counted)")
     args = parser.parse_args()
-    connect(num_cpus=4)
+    connect_colocated(args.device, "scripts/push_parts.py")
     trainer, worker = colocated_pair(args.size, args.device)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     version = 0

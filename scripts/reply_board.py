@@ -16,8 +16,7 @@ import argparse
 import statistics
 
 from weightsync import WeightSync
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair, timed_syncs
+from weightsync.tools.colocated import colocated_pair, connect_colocated, timed_syncs
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="blocks of each kind, alternating")
     parser.add_argument("--syncs", type=int, default=20, help="syncs per block (the first of each is not counted)")
     args = parser.parse_args()
-    connect(num_cpus=4)
+    connect_colocated(args.device, "scripts/reply_board.py")
     trainer, worker = colocated_pair(args.size, args.device)
     version = 0
     for transport in args.transports.split(","):

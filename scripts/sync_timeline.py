@@ -26,8 +26,7 @@ from weightsync.core.sender import WeightSender
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.glue.replies import on_board
 from weightsync.mechanisms import batched_copy, streams
-from weightsync.tools.cluster import connect
-from weightsync.tools.colocated import colocated_pair
+from weightsync.tools.colocated import colocated_pair, connect_colocated
 from weightsync.transports.direct import halves as direct
 from weightsync.transports.ipc import slot_copies
 from weightsync.transports.push import listener
@@ -115,7 +114,7 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--syncs", type=int, default=30)
     args = parser.parse_args()
-    connect(num_cpus=4)
+    connect_colocated(args.device, "scripts/sync_timeline.py")
     trainer, worker = colocated_pair(args.size, args.device, StampedTrainer, StampedWorker)
     push = args.transport == "push"
     ws = WeightSync(

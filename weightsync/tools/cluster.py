@@ -100,6 +100,24 @@ def _stay_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def connect_with_gpus(needed: float, what: str, address: str | None = None, num_cpus: int | None = None) -> str | None:
+    """:func:`connect` for a command that needs ``needed`` GPUs: the line to print when it
+    cannot have them, else ``None`` once connected.
+
+    A machine without a CUDA GPU that would start its own cluster is told so before Ray
+    starts; a joined cluster (``address`` or ``$RAY_ADDRESS``) is asked once connected
+    (:func:`missing_gpus`). Either way no actor is left waiting for a GPU that never comes.
+    """
+    if needed > 0 and not (address or os.environ.get("RAY_ADDRESS")):
+        from weightsync.tools.preflight import no_local_gpu
+
+        problem = no_local_gpu(what)
+        if problem is not None:
+            return problem
+    connect(address, num_cpus=num_cpus)
+    return missing_gpus(needed, what) if needed > 0 else None
+
+
 def missing_gpus(needed: float, what: str) -> str | None:
     """``None`` when the connected cluster offers ``needed`` GPUs, else the line to print.
 

@@ -2,7 +2,7 @@
 sync (``scripts/sync_timeline.py``, ``scripts/profile_sync.py``, ``scripts/ipc_slots.py``,
 ``scripts/reply_board.py``, ``scripts/push_parts.py``, ``scripts/profile_push.py``).
 
-Call order: ``connect()`` -> ``trainer, worker = colocated_pair(size, device)`` ->
+Call order: ``connect_colocated(device, script)`` -> ``trainer, worker = colocated_pair(size, device)`` ->
 ``WeightSync(trainer, [worker], ...)``, then per block of syncs ``ws.setup()`` ->
 ``timed_syncs(ws, version, count)`` -> ``ws.close()``. Subclasses of the actor classes
 (stamped or profiled ones) go in ``trainer_cls`` / ``worker_cls``.
@@ -16,8 +16,20 @@ from typing import Any
 
 import ray
 
+from weightsync.core.wire.errors import SettingsError
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.tools.cluster import connect_with_gpus, missing_gpus
 from weightsync.tools.models import PolicyFactory
+
+
+def connect_colocated(device: str, script: str) -> None:
+    """Start or join Ray for ``script`` on ``device``; on a cluster without a GPU, for
+    ``cuda``, print one line saying so and exit with status 2 (before Ray starts, when
+    this machine would start it)."""
+    problem = connect_with_gpus(1 if device == "cuda" else 0, f"{script} --device cuda", num_cpus=4)
+    if problem is not None:
+        print(problem, flush=True)
+        raise SystemExit(2)
 
 
 def colocated_pair(
@@ -29,6 +41,9 @@ def colocated_pair(
     the 16gb model's 194 tensors: host work grows with the tensor count, not their bytes)."""
     if layers < 0:
         raise ValueError(f"layers is a number of blocks (0: the size's own), got {layers}")
+    problem = missing_gpus(1, f"a colocated pair on {device}") if device == "cuda" else None
+    if problem is not None:  # else both actors would wait for a GPU for ever
+        raise SettingsError(problem)
     gpus = 0.5 if device == "cuda" else 0
     factories = [PolicyFactory(size, seed, device) for seed in (0, 1)]
     for factory in factories:

@@ -107,7 +107,7 @@ class Bench:
 
     def run(self) -> int:
         from weightsync.tools.bench.reference import ChunkTrainerActor, ChunkWorkerActor
-        from weightsync.tools.cluster import connect
+        from weightsync.tools.cluster import connect_with_gpus
 
         args = self.args
         cuda = args.device == "cuda"
@@ -115,7 +115,10 @@ class Bench:
             check_plot_path(args.plot)
         if args.json:
             check_json_path(args.json)
-        connect(args.address, num_cpus=args.num_cpus)
+        problem = connect_with_gpus(1 if cuda else 0, "bench --device cuda", args.address, args.num_cpus)
+        if problem is not None:  # else every case's actors would wait for a GPU for ever
+            print(problem, flush=True)
+            return 2
         opts: dict[str, Any] = {"num_cpus": 0}
         if cuda:
             # Colocated cases need one GPU shared by the trainer and one worker; NCCL cases
