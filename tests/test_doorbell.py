@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.core.wire import ReceiveResult, SyncCall, TransferTimeout, WeightSyncError
-from weightsync.mechanisms.doorbell import Doorbell, ring
+from weightsync.mechanisms.doorbell import Bell, Doorbell, ring
 from weightsync.mechanisms.mailbox import ANSWERED
 from weightsync.transports.push.listener import Listener
 
@@ -135,3 +135,33 @@ def test_an_answer_too_large_for_the_mailbox_is_cut_to_fit_and_the_listener_serv
         assert not listener.mailbox.stopped
     finally:
         assert listener.close(HANG_BOUND_S)
+
+
+def test_a_kept_bell_rings_every_sync_and_lets_its_socket_go_once_nobody_listens() -> None:
+    listener = Doorbell()
+    bell = Bell(listener.address, listener.key, "worker-2")
+    try:
+        assert not bell.connected
+        for _ in range(3):
+            assert bell.ring(time.monotonic() + HANG_BOUND_S)
+            assert listener.wait(HANG_BOUND_S) is True
+            assert bell.connected
+        listener.close()
+        assert bell.ring(time.monotonic() + HANG_BOUND_S) is False
+        assert not bell.connected
+    finally:
+        bell.close()
+        listener.close()
+
+
+def test_a_kept_bell_to_a_full_doorbell_fails_by_its_deadline_naming_the_worker(doorbell: Doorbell) -> None:
+    bell = Bell(doorbell.address, doorbell.key, "worker-5")
+    try:
+        assert fill(doorbell.address) > 0
+        with pytest.raises(TransferTimeout, match="worker-5"):
+            bell.ring(time.monotonic() + 0.2)
+        assert doorbell.wait(0.1) is False  # drained: only foreign datagrams were queued
+        assert bell.ring(time.monotonic() + HANG_BOUND_S)
+        assert doorbell.wait(HANG_BOUND_S) is True
+    finally:
+        bell.close()

@@ -27,8 +27,8 @@ from weightsync.core.wire.errors import WeightSyncError
 from weightsync.core.wire.messages import PushAnswer, PushResult, SendResult
 from weightsync.core.wire.outcome import failed, ok
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.mechanisms.doorbell import Bell
 from weightsync.mechanisms.mailbox import Mailbox
-from weightsync.transports.push import pusher as pusher_module
 from weightsync.transports.push.messages import PushExport
 from weightsync.transports.push.plugin import PUSH
 from weightsync.transports.push.pusher import Pusher
@@ -278,10 +278,10 @@ def test_a_ring_that_fails_withdraws_the_call_and_a_late_listener_writes_nothing
     push = registry.mode("push")
     push.action("trainer", "arm")(sender, (export,))
 
-    def full(address: str, key: bytes, deadline: float, who: str) -> bool:
-        raise TransferTimeout(f"{who}: its doorbell's queue stayed full until the deadline", blames=[who])
+    def full(bell: Bell, deadline: float) -> bool:
+        raise TransferTimeout(f"{bell.who}: its doorbell's queue stayed full until the deadline", blames=[bell.who])
 
-    monkeypatch.setattr(pusher_module, "ring", full)
+    monkeypatch.setattr(Bell, "ring", full)
     before = {n: t.clone() for n, t in state_of(worker_model).items()}
     try:
         result = push.sync(sender, SyncCall(seq=0, version=1), "")

@@ -111,32 +111,75 @@ class Doorbell:
             os.unlink(self._file)
 
 
-def ring(address: str, key: bytes, deadline: float, who: str) -> bool:
-    """Wake the listener of ``who`` at ``address``; False when nobody listens there any more.
+class Bell:
+    """The ringing end of one listener's doorbell, kept connected between rings.
 
-    Never blocks past ``deadline`` (``time.monotonic()``): while the listener's queue is full
-    the ring waits for room, and at the deadline raises :class:`TransferTimeout` naming ``who``.
+    A push rings every listening worker each sync; a socket made, connected and closed per
+    ring costs several times the send itself. Call order: ``Bell(address, key, who)``, then
+    :meth:`ring` once per sync, :meth:`close` when the worker is forgotten.
     """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.setblocking(False)
-        try:
-            # Connected, so a full peer queue reads as "not writable" to select below.
-            sock.connect(address)
-        except (ConnectionRefusedError, FileNotFoundError):
+
+    def __init__(self, address: str, key: bytes, who: str) -> None:
+        self.address = address
+        self.key = key
+        self.who = who
+        self._sock: socket.socket | None = None
+
+    def ring(self, deadline: float) -> bool:
+        """Wake the listener; False when nobody listens at the address any more.
+
+        Never blocks past ``deadline`` (``time.monotonic()``): while the listener's queue is
+        full the ring waits for room, and at the deadline raises :class:`TransferTimeout`
+        naming the worker.
+        """
+        sock = self._sock or self._connect()
+        if sock is None:
             return False
         while True:
             try:
-                sock.send(key)
+                sock.send(self.key)
                 return True
             except BlockingIOError:
                 pass
             except (ConnectionRefusedError, FileNotFoundError):
+                self.close()  # the listener's socket is gone; a later ring connects afresh
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout(
-                    f"{who}: its doorbell's queue stayed full until the deadline (its listener is stalled, "
+                    f"{self.who}: its doorbell's queue stayed full until the deadline (its listener is stalled, "
                     "or another process floods its doorbell); the ring was given up",
-                    blames=[who],
+                    blames=[self.who],
                 )
             select.select([], [sock], [], min(left, _RETRY_S))
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        try:
+            # Connected, so a full peer queue reads as "not writable" to select.
+            sock.connect(self.address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            return None
+        self._sock = sock
+        return sock
+
+    @property
+    def connected(self) -> bool:
+        """Whether the bell holds a socket connected to the listener (from its first ring on)."""
+        return self._sock is not None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def ring(address: str, key: bytes, deadline: float, who: str) -> bool:
+    """Ring the doorbell at ``address`` once (see :meth:`Bell.ring`), with a socket of its own."""
+    bell = Bell(address, key, who)
+    try:
+        return bell.ring(deadline)
+    finally:
+        bell.close()

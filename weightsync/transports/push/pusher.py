@@ -34,7 +34,7 @@ from weightsync.core.wire.errors import SessionTornDown, TransferTimeout, Weight
 from weightsync.core.wire.messages import PushAnswer, PushResult, SendResult, SyncCall
 from weightsync.core.wire.outcome import Outcome, Status, failed, ok
 from weightsync.core.wire.session import Session
-from weightsync.mechanisms.doorbell import ring
+from weightsync.mechanisms.doorbell import Bell
 from weightsync.mechanisms.mailbox import ANSWERED, Mailbox
 from weightsync.mechanisms.regions import RegionImporter
 from weightsync.mechanisms.shm import pid_alive
@@ -48,6 +48,7 @@ class _Box:
     export: PushExport
     mailbox: Mailbox
     importer: RegionImporter
+    bell: Bell
 
 
 class Pusher:
@@ -74,7 +75,8 @@ class Pusher:
             self.forget(export.worker)
             importer = RegionImporter(f"{self.name}->{export.worker} mailbox")
             mailbox = Mailbox.attach(importer.map(export.mailbox), self.name, export.mailbox.path)
-            self._boxes[export.worker] = _Box(export, mailbox, importer)
+            bell = Bell(export.doorbell, export.doorbell_key, export.worker)
+            self._boxes[export.worker] = _Box(export, mailbox, importer, bell)
 
     def push(
         self,
@@ -126,7 +128,7 @@ class Pusher:
             if not box.mailbox.stopped:
                 replaced = box.mailbox.post(call, call.part(worker))
                 try:
-                    if ring(box.export.doorbell, box.export.doorbell_key, deadline, worker):
+                    if box.bell.ring(deadline):
                         continue
                 except TransferTimeout as exc:
                     # Nobody woke it: the call is taken back, so its listener, once it runs
@@ -202,6 +204,7 @@ class Pusher:
         with self._lock:
             box = self._boxes.pop(worker, None)
             if box is not None:
+                box.bell.close()
                 box.importer.release_all()
 
     def stop(self) -> bool:
