@@ -35,6 +35,7 @@ from weightsync.core.sender import WeightSender
 from weightsync.core.sinks import ModuleSink, module_tensors
 from weightsync.glue.actors import TrainerHost, WorkerHost
 from weightsync.mechanisms import batched_copy, mailbox, streams
+from weightsync.mechanisms.doorbell import Bell
 from weightsync.tools.colocated import colocated_pair, connect_colocated
 from weightsync.transports.direct import target, writer
 from weightsync.transports.push import listener, pusher
@@ -44,7 +45,7 @@ Stamps = dict[str, list[tuple[float, float]]]
 #: (class or module, function, step name): the trainer's steps, then the worker's.
 TRAINER_STEPS: list[tuple[Any, str, str]] = [
     (pusher.Pusher, "_push", "push"),
-    (pusher, "ring", "ring"),
+    (Bell, "ring", "ring"),
     (WeightSender, "send", "send"),
     (WeightSender, "checked_sources", "check sources"),
     (writer.DirectWriter, "_announced", "wait for announce"),
