@@ -8,16 +8,22 @@ import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from weightsync.core.wire import PeerAborted, TransferTimeout, WeightSyncError
 from weightsync.mechanisms import control as control_module
+from weightsync.mechanisms import pace as pace_module
+from weightsync.mechanisms import streams as streams_module
 from weightsync.mechanisms.control import TRAINER, ControlBlock, worker_code
+from weightsync.mechanisms.pace import NO_SPIN, Pace, spinning
 from weightsync.mechanisms.shm import map_shm
-from weightsync.mechanisms.streams import precise_sleeps
+from weightsync.mechanisms.streams import precise_sleeps, wait_for_stream
 
 NAMES = ["trainer", "w0", "w1"]
+HANG_BOUND_S = 60.0  # only bounds a hang; a working wait returns at once
 
 
 def never() -> bool:
@@ -194,3 +200,60 @@ def test_precise_sleeps_nest_and_restore_the_slack_even_when_the_block_raises() 
         assert libc.prctl(_GET, 0, 0, 0, 0) == 70_000
     finally:
         libc.prctl(_SET, mine, 0, 0, 0)
+
+
+class Looks:
+    """A predicate that turns true at its ``n``-th look (past a wait's first 2000 spins)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.looks = 0
+
+    def __call__(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+@pytest.mark.parametrize(
+    ("precise", "window", "sleeps"),
+    [(True, (0.0, float("inf")), False), (True, NO_SPIN, True), (False, (0.0, float("inf")), True)],
+)
+def test_a_gpu_wait_looks_without_sleeping_inside_its_spin_window_and_only_there(
+    precise: bool, window: tuple[float, float], sleeps: bool, monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(control_module.time, "sleep", slept.append)  # counts the sleeps, sleeps none
+    block = ControlBlock.create(1, tag="test", parties=1)
+    block.precise = precise  # a CPU transport's block never spins: its peer needs the cores
+    try:
+        block.wait(Looks(2500), time.monotonic() + HANG_BOUND_S, "w0", lambda: "trainer", ["trainer"], spin=window)
+    finally:
+        block.close()
+    assert bool(slept) is sleeps, len(slept)
+
+
+def test_a_stream_wait_polls_without_sleeping_inside_its_spin_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(streams_module.time, "sleep", slept.append)
+    for window, sleeps in [((0.0, float("inf")), False), (NO_SPIN, True)]:
+        slept.clear()
+        stream: Any = SimpleNamespace(query=Looks(2500))  # a stream whose work ends at its 2500th look
+        wait_for_stream(stream, time.monotonic() + HANG_BOUND_S, "copies into w0 timed out", own=True, spin=window)
+        assert bool(slept) is sleeps, len(slept)
+
+
+def test_a_pace_opens_its_window_around_when_the_last_wait_says_the_next_one_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pace = Pace()
+    assert pace.window(100.0) == NO_SPIN  # nothing to expect before a first wait
+    monkeypatch.setattr(pace_module.time, "monotonic", lambda: 100.011)
+    pace.record(100.0)  # an 11 ms wait
+    start, end = pace.window(200.0)
+    assert spinning((start, end), 200.011)  # when the next one is due
+    assert not spinning((start, end), 200.005) and not spinning((start, end), 200.02)
+    assert start == pytest.approx(200.011 - 0.0011) and end == pytest.approx(200.011 + 0.0011 + 0.001)
+    monkeypatch.setattr(pace_module.time, "monotonic", lambda: 101.0)
+    pace.record(100.0)  # a second-long wait: the window stays within 2 ms of its due time
+    start, end = pace.window(0.0)
+    assert start == pytest.approx(1.0 - 0.002) and end == pytest.approx(1.0 + 0.003)

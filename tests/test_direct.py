@@ -24,6 +24,7 @@ from weightsync.core.sinks import ModuleSink, module_tensors
 from weightsync.core.tensor_paths import TensorPaths
 from weightsync.core.wire import ManifestError, ModelChangedError, SyncSettings
 from weightsync.glue.actors import TrainerHost, WorkerHost
+from weightsync.mechanisms.pace import NO_SPIN
 
 
 class Worker(WorkerHost):
@@ -270,8 +271,8 @@ class MiswritingTrainer(TrainerHost):
         assert writer is not None
         original = writer._streams.drain
 
-        def drain(deadline: float, what: str, own: bool = False) -> None:
-            original(deadline, what, own)
+        def drain(deadline: float, what: str, own: bool = False, spin: tuple[float, float] = NO_SPIN) -> None:
+            original(deadline, what, own, spin)
             for mapped in writer._mapped.values():
                 first = next(d for d in mapped.destinations if d is not None)
                 first.reshape(-1).view(torch.uint8)[0] ^= 1

@@ -36,6 +36,7 @@ import torch
 
 from weightsync.core.wire.errors import PeerAborted, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import ShmHandle
+from weightsync.mechanisms.pace import NO_SPIN, spinning
 from weightsync.mechanisms.shm import ShmRegion, pid_alive
 from weightsync.mechanisms.streams import precise_sleeps
 
@@ -164,13 +165,15 @@ class ControlBlock:
         names: Sequence[str],
         peer_pid: Callable[[], int] | None = None,
         late: Callable[[], Sequence[str]] | None = None,
+        spin: tuple[float, float] = NO_SPIN,
     ) -> None:
         """Spin, then back off, until ``predicate``; raise on an abort code, a dead peer, or the deadline.
 
         ``names[code - 1]`` names the side that wrote abort ``code``. ``what`` words the
         error (called only then, so it names who is late at that moment); ``late`` returns
         the parties that are late, which the timeout blames; ``peer_pid`` the process to
-        watch (0: none yet).
+        watch (0: none yet). With :attr:`precise`, the wait looks without sleeping inside
+        ``spin`` (:class:`~weightsync.mechanisms.pace.Pace`: when the hand-off is due).
         """
         spins = 0
         delay = 10e-6
@@ -205,5 +208,7 @@ class ControlBlock:
                         raise PeerAborted(
                             f"{me}: the peer process (pid {pid}) ended while waiting for {what()}", blames=blamed
                         )
+                if self.precise and spinning(spin, now):
+                    continue
                 time.sleep(delay)
                 delay = min(delay * 2, 20e-6)

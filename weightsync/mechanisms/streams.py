@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from weightsync.core.wire.errors import StreamTimeout, TransferTimeout
+from weightsync.mechanisms.pace import NO_SPIN, spinning
 
 log = logging.getLogger("weightsync")
 _PR_SET_TIMERSLACK = 29
@@ -119,18 +120,22 @@ class SlotStreams:
         if self._streams:
             wait_for_stream(self._streams[slot], deadline, on_timeout, own)
 
-    def drain(self, deadline: float, on_timeout: str, own: bool = False) -> None:
-        """Wait, up to ``deadline`` (time.monotonic), for every slot's queued work."""
+    def drain(self, deadline: float, on_timeout: str, own: bool = False, spin: tuple[float, float] = NO_SPIN) -> None:
+        """Wait, up to ``deadline`` (time.monotonic), for every slot's queued work; ``spin``:
+        when it is due (see :func:`wait_for_stream`)."""
         for stream in self._streams:
-            wait_for_stream(stream, deadline, on_timeout, own)
+            wait_for_stream(stream, deadline, on_timeout, own, spin)
 
 
-def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str, own: bool = False) -> None:
+def wait_for_stream(
+    stream: torch.cuda.Stream, deadline: float, on_timeout: str, own: bool = False, spin: tuple[float, float] = NO_SPIN
+) -> None:
     """Synchronize ``stream`` without blocking past ``deadline``.
 
     ``stream.synchronize()`` would wait forever on a collective whose peer died, so the
     stream is polled and the caller gets a :class:`TransferTimeout` it can act on (abort
-    the communicator) instead.
+    the communicator) instead. Inside ``spin`` (:class:`~weightsync.mechanisms.pace.Pace`:
+    when the work is due to end) it polls without sleeping.
     """
     polls = 0
     delay = 10e-6
@@ -141,10 +146,13 @@ def wait_for_stream(stream: torch.cuda.Stream, deadline: float, on_timeout: str,
                 continue
             if polls == 2000:
                 slack.enter_context(precise_sleeps())
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 # ``own``: the stream holds only this process's copies, so a late stream is this
                 # party's failure; otherwise (a collective on it) it waits on a peer.
                 raise (StreamTimeout if own else TransferTimeout)(on_timeout)
+            if spinning(spin, now):
+                continue
             time.sleep(delay)
             delay = min(delay * 2, 20e-6)
 

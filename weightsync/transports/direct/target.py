@@ -24,6 +24,7 @@ from weightsync.core.wire.manifest import Manifest
 from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 from weightsync.mechanisms.control import ControlBlock, worker_code
+from weightsync.mechanisms.pace import Pace
 from weightsync.mechanisms.regions import Region, make_region
 from weightsync.mechanisms.shm import pid_alive
 from weightsync.transports.direct.handoff import (
@@ -79,6 +80,8 @@ class DirectTarget(TornDown, ReceiveHalf):
         self._export: DirectExport | None = None
         self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
         self.exports_made = 0
+        #: How long the writers took from the announcement to "written" last time.
+        self._pace = Pace()
 
     def export(self, tensors: Sequence[torch.Tensor], rebind: Rebind) -> DirectExport:
         """Move ``tensors`` (aligned with the manifest) into a fresh exported region.
@@ -179,16 +182,19 @@ class DirectTarget(TornDown, ReceiveHalf):
             missing = pending()
             return control[writer_pid_word(missing[next(turns) % len(missing)])] if missing else 0
 
+        start = time.monotonic()
         try:
             control.wait(
                 lambda: not pending(),
-                self.deadlines.follower(time.monotonic()),
+                self.deadlines.follower(start),
                 self.name,
                 lambda: f"{', '.join(late()) or self.server} to finish writing",
                 self._names,
                 peer_pid=watched,
                 late=late,
+                spin=self._pace.window(start),
             )
+            self._pace.record(start)
         except PeerAborted as exc:
             if self._torn_down:
                 waited = f"waited for {', '.join(late()) or self.server} to finish writing"

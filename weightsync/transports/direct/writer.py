@@ -11,8 +11,9 @@ The whole hand-off: :mod:`weightsync.transports.direct.halves`.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
 import torch
@@ -24,6 +25,7 @@ from weightsync.core.wire.messages import SyncCall
 from weightsync.core.wire.session import Session
 from weightsync.mechanisms.batched_copy import BatchedCopier, CopyPlan, PlanKey, plan_key
 from weightsync.mechanisms.control import ControlBlock
+from weightsync.mechanisms.pace import Pace
 from weightsync.mechanisms.regions import RegionImporter
 from weightsync.mechanisms.streams import SlotStreams, wait_for_event
 from weightsync.transports.direct.handoff import (
@@ -43,6 +45,8 @@ class _Mapped:
     destinations: list[torch.Tensor | None]
     control: ControlBlock
     plan: CopyPlan | None = None  # the batched copies for the sources seen last
+    #: How long the copies into this worker took last time (when the next ones are due).
+    pace: Pace = field(default_factory=Pace)
 
 
 class DirectWriter(TornDown, SendHalf):
@@ -276,7 +280,10 @@ class DirectWriter(TornDown, SendHalf):
                         if destination is not None:
                             self._still_wanted(worker, mapped, index, seq)
                             destination.copy_(source)
-        self._streams.drain(deadline, f"{self.name}: writing into {worker} timed out", own=True)
+        launched = time.monotonic()
+        on_timeout = f"{self.name}: writing into {worker} timed out"
+        self._streams.drain(deadline, on_timeout, own=True, spin=mapped.pace.window(launched))
+        mapped.pace.record(launched)
         self._publish(mapped.control, seq, checksums)
         return True
 

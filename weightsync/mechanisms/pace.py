@@ -1,0 +1,54 @@
+"""When a recurring hand-off is due, so that its waiter looks without sleeping around then.
+
+A colocated GPU sync ends with two polling waits on the host: the trainer's for its copy
+kernel and the worker's for the trainer's "written". A wait that outlasts its first spins
+sleeps 10-20 us between looks, and each hand-off was seen some 50 us late on an H100 (a
+sleeping look, then Python's way back to the predicate). Spinning through the whole copy
+would hold a core for its length. A sync of one model takes about as long as the last one
+did, so each waiter keeps a :class:`Pace` and spins only in a window around the moment the
+last wait's length predicts::
+
+    pace = Pace()                        # one per recurring wait (per worker, per export)
+    start = time.monotonic()             # when the wait begins (after the launch, the announce)
+    wait(..., spin=pace.window(start))   # sleeps, looks without sleeping inside the window
+    pace.record(start)                   # only after a wait that ended as it should
+
+The window is a tenth of the expected wait on each side (0.2 to 2 ms) plus a millisecond
+late: a wait that ends outside it (a first sync, a slower one) sleeps as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+#: A window that never opens (a first wait: nothing to expect yet).
+NO_SPIN = (0.0, 0.0)
+_LEAD_FRACTION = 0.1
+_MIN_LEAD_S = 200e-6
+_MAX_LEAD_S = 2e-3
+_LATE_S = 1e-3
+
+
+class Pace:
+    """The length of the last wait of one recurring hand-off, and the spin window it implies."""
+
+    def __init__(self) -> None:
+        self.last_s = 0.0
+
+    def window(self, start: float) -> tuple[float, float]:
+        """(from, until) in ``time.monotonic()`` seconds: where a wait begun at ``start``
+        should look without sleeping; :data:`NO_SPIN` before any wait was recorded."""
+        if self.last_s <= 0.0:
+            return NO_SPIN
+        lead = min(max(self.last_s * _LEAD_FRACTION, _MIN_LEAD_S), _MAX_LEAD_S)
+        due = start + self.last_s
+        return (due - lead, due + lead + _LATE_S)
+
+    def record(self, start: float) -> None:
+        """A wait begun at ``start`` ended now, as it should (a failed wait is not recorded)."""
+        self.last_s = time.monotonic() - start
+
+
+def spinning(window: tuple[float, float], now: float) -> bool:
+    """Whether a wait at ``now`` is inside ``window`` (look again without sleeping)."""
+    return window[0] <= now < window[1]
