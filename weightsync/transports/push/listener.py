@@ -106,8 +106,10 @@ class Listener:
                         raise WeightSyncError(f"{self.name}: its listener was stopped before sync {call.seq}")
                     result = self._receive(call)
                     # The trainer compared checksums itself, and the worker checked what it
-                    # holds: the answer stays small.
-                    outcome = ok(self.name, "receive", replace(result, checksums=[], held=None))
+                    # holds: the answer stays small (and is built once when it already is).
+                    if result.checksums or result.held is not None:
+                        result = replace(result, checksums=[], held=None)
+                    outcome = ok(self.name, "receive", result)
                 except BaseException as exc:  # noqa: BLE001 - the failure travels to the trainer as data
                     outcome = failed(self.name, "receive", exc)
                 version, state = self._status()
