@@ -222,7 +222,8 @@ def test_a_gpu_wait_looks_without_sleeping_inside_its_spin_window_and_only_there
     precise: bool, window: tuple[float, float], sleeps: bool, monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
 ) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(control_module.time, "sleep", slept.append)  # counts the sleeps, sleeps none
+    # The module's clock, its sleeps counted and skipped (the process's own time module untouched).
+    monkeypatch.setattr(control_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
     block = ControlBlock.create(1, tag="test", parties=1)
     block.precise = precise  # a CPU transport's block never spins: its peer needs the cores
     try:
@@ -234,7 +235,7 @@ def test_a_gpu_wait_looks_without_sleeping_inside_its_spin_window_and_only_there
 
 def test_a_stream_wait_polls_without_sleeping_inside_its_spin_window(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(streams_module.time, "sleep", slept.append)
+    monkeypatch.setattr(streams_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
     for window, sleeps in [((0.0, float("inf")), False), (NO_SPIN, True)]:
         slept.clear()
         stream: Any = SimpleNamespace(query=Looks(2500))  # a stream whose work ends at its 2500th look
@@ -247,13 +248,20 @@ def test_a_pace_opens_its_window_around_when_the_last_wait_says_the_next_one_end
 ) -> None:
     pace = Pace()
     assert pace.window(100.0) == NO_SPIN  # nothing to expect before a first wait
-    monkeypatch.setattr(pace_module.time, "monotonic", lambda: 100.011)
-    pace.record(100.0)  # an 11 ms wait
+
+    def ended_at(now: float) -> None:
+        monkeypatch.setattr(pace_module, "time", SimpleNamespace(monotonic=lambda: now))
+
+    ended_at(100.011)
+    pace.record(100.0)  # an 11 ms wait: a window of a tenth of it on either side, and 1 ms late
     start, end = pace.window(200.0)
     assert spinning((start, end), 200.011)  # when the next one is due
     assert not spinning((start, end), 200.005) and not spinning((start, end), 200.02)
-    assert start == pytest.approx(200.011 - 0.0011) and end == pytest.approx(200.011 + 0.0011 + 0.001)
-    monkeypatch.setattr(pace_module.time, "monotonic", lambda: 101.0)
-    pace.record(100.0)  # a second-long wait: the window stays within 2 ms of its due time
-    start, end = pace.window(0.0)
-    assert start == pytest.approx(1.0 - 0.002) and end == pytest.approx(1.0 + 0.003)
+    assert start - 200.0 == pytest.approx(0.011 - 0.0011, abs=1e-9)
+    assert end - start == pytest.approx(2 * 0.0011 + 0.001, abs=1e-9)
+    for waited, lead in [(1.0, 0.002), (0.001, 0.0002)]:  # the lead stays within 0.2-2 ms
+        ended_at(100.0 + waited)
+        pace.record(100.0)
+        start, end = pace.window(0.0)
+        assert start == pytest.approx(waited - lead, abs=1e-9), waited
+        assert end == pytest.approx(waited + lead + 0.001, abs=1e-9), waited

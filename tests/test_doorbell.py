@@ -154,6 +154,22 @@ def test_a_kept_bell_rings_every_sync_and_lets_its_socket_go_once_nobody_listens
         listener.close()
 
 
+def test_a_kept_bell_reuses_its_socket_and_reaches_a_listener_bound_anew_at_its_address() -> None:
+    first = Doorbell()
+    bell = Bell(first.address, first.key, "worker-4")
+    try:
+        assert bell.ring(time.monotonic() + HANG_BOUND_S)
+        kept = bell._sock
+        assert bell.ring(time.monotonic() + HANG_BOUND_S) and bell._sock is kept  # one socket, every ring
+        first.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as again:
+            again.bind(first.address)  # the same address, a new socket behind it
+            assert bell.ring(time.monotonic() + HANG_BOUND_S)  # as a fresh socket's ring would
+            assert again.recv(64) == first.key
+    finally:
+        bell.close()
+
+
 def test_a_kept_bell_to_a_full_doorbell_fails_by_its_deadline_naming_the_worker(doorbell: Doorbell) -> None:
     bell = Bell(doorbell.address, doorbell.key, "worker-5")
     try:

@@ -38,11 +38,13 @@ from weightsync.vllm import EngineCallError, VLLMWorker  # noqa: E402
 from weightsync.vllm.sockets import ENV_VAR as SOCKETS_ENV  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-#: The engine core in the engine actor's own process instead of one of its own, a layout
-#: users run too (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it starts in about a third
-#: of the time. The casts, staged and LoRA modules use it; this module, the async, TP and
-#: server ones keep vLLM's default, so every feature is also run across the process boundary.
-CORE_IN_PROCESS = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a layout users run too: an ``LLM`` engine runs
+#: its core and model in the actor's own process, an ``AsyncLLM`` engine (whose core vLLM
+#: always keeps in a process of its own) its model in that core's process instead of a
+#: worker process more. Either starts in about a third of the time. The casts, staged and
+#: LoRA modules use it; this module, the async, TP, LoRA TP and server ones keep vLLM's
+#: default, so staged engines and LoRA adapters are also synced across it.
+NO_V1_MULTIPROCESSING = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE_START_S = 600.0
 # vLLM computes in bf16 on CPU, the reference in fp32 from the same bf16 weights.
 LOGPROB_TOL = 0.05

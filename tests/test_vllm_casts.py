@@ -8,9 +8,9 @@ small enough that receive buffers are refilled; then rank 1 dies in the middle o
 and the engine keeps the version it had. Every sync is checked on the engine's own
 parameters, bit for bit (the trainer's tensors rounded to bf16, then held in fp32), and on
 prompt log-probs against the trainer's model with those weights. Last, an fp16 engine of
-its own: the lossy cast is listed in the report. Both engines run their engine core in the
-actor's process (``CORE_IN_PROCESS``); the casts are done in weightsync's worker extension
-either way, and test_vllm.py syncs across vLLM's default process boundary."""
+its own: the lossy cast is listed in the report. Both engines run in the actor's
+process (``NO_V1_MULTIPROCESSING``): the casts are done in weightsync's worker extension, where
+the model is, whichever process that is, and test_vllm.py syncs across vLLM's default layout."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT, ActorPool  # noqa: E402
 from tests.test_casts import deflate, inflate  # noqa: E402
 from tests.test_vllm import (  # noqa: E402
-    CORE_IN_PROCESS,
     ENGINE_START_S,
+    NO_V1_MULTIPROCESSING,
     engine_prompt_logprobs,
     launch_engine,
     started_beside,
@@ -98,9 +98,9 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any]]:
     """The module's fp32 engine and the last test's fp16 engine, launched first so that the
     two starts overlap (each runs mostly on one core at a time; the fp16 one idles until its
     test, which waits for its start); both stopped together at the end of the module."""
-    fp16 = launch_engine(checkpoint, name="vllm16", dtype="float16", env=CORE_IN_PROCESS)
+    fp16 = launch_engine(checkpoint, name="vllm16", dtype="float16", env=NO_V1_MULTIPROCESSING)
     started = fp16.pid.remote()
-    for handle in started_beside(fp16, started, checkpoint, name="vllm", dtype="float32", env=CORE_IN_PROCESS):
+    for handle in started_beside(fp16, started, checkpoint, name="vllm", dtype="float32", env=NO_V1_MULTIPROCESSING):
         yield handle, fp16
 
 

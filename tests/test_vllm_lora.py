@@ -4,9 +4,9 @@ One engine for the module, used in file order: two trained syncs of the trainer'
 adapter (the engine then computes what the trainer's PEFT model computes, its base weights
 untouched and its base model, asked without the adapter, unchanged), a sync that breaks
 midway (the previous adapter keeps serving), a staged sync (the adapter swapped in between
-steps), and adapters the engine cannot serve, refused at setup by name. The engine core runs
-in the actor's process (``CORE_IN_PROCESS``); test_vllm_lora_tp.py syncs adapters into
-engine processes of vLLM's default layout.
+steps), and adapters the engine cannot serve, refused at setup by name. The engine runs in
+the actor's process (``NO_V1_MULTIPROCESSING``); test_vllm_lora_tp.py syncs adapters into
+engines of vLLM's default layout.
 
 The log-probs compared are next-token log-probs over the whole vocabulary after every
 prefix of the prompts, which together are the prompts' log-probs: vLLM 0.32 cannot return
@@ -31,7 +31,7 @@ peft = pytest.importorskip("peft", reason="PEFT is not installed (the test extra
 
 from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import ActorPool  # noqa: E402
-from tests.test_vllm import CORE_IN_PROCESS, ENGINE_START_S, engine_kwargs, get, stop_engine  # noqa: E402
+from tests.test_vllm import ENGINE_START_S, NO_V1_MULTIPROCESSING, engine_kwargs, get, stop_engine  # noqa: E402
 from weightsync import SetupError, SyncError, TrainerActor, WeightSync  # noqa: E402
 from weightsync.core.lora.source import send_adapter  # noqa: E402
 from weightsync.core.sender import WeightSender  # noqa: E402
@@ -76,7 +76,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def engine(ray_session: None, checkpoint: str) -> Iterator[Any]:
     handle = VLLMWorker.options(num_cpus=0).remote(
-        **lora_engine_kwargs(checkpoint, name="vllm-lora", env=CORE_IN_PROCESS)
+        **lora_engine_kwargs(checkpoint, name="vllm-lora", env=NO_V1_MULTIPROCESSING)
     )
     get(handle.pid.remote(), ENGINE_START_S)
     yield handle

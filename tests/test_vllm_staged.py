@@ -9,8 +9,9 @@ finish on the old weights, token for token what the engine generated before the 
 the commit every parameter equals the trainer's bit for bit and prompt log-probs follow the
 trainer's model. A trainer killed mid-transfer leaves the engine generating at its version,
 bit-exact, and a second sync that arrives before the first one's swap is refused by name.
-Both engines run their engine core in the actor's process (``CORE_IN_PROCESS``); the TP=2
-module stages into engine processes of vLLM's default layout.
+Both engines run with fewer processes (``NO_V1_MULTIPROCESSING``: the ``LLM`` engine in the
+actor's process, the ``AsyncLLM`` engine's model in its core's); the TP=2 module stages into
+engines of vLLM's default layout.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from tests import vllm_model as vm  # noqa: E402
 from tests.conftest import RAY_TIMEOUT, ActorPool  # noqa: E402
 from tests.gated_trainer import GatedTrainer  # noqa: E402
 from tests.test_vllm import (  # noqa: E402
-    CORE_IN_PROCESS,
     ENGINE_START_S,
+    NO_V1_MULTIPROCESSING,
     assert_logprobs_match,
     engine_kwargs,
     get,
@@ -69,11 +70,11 @@ def engines(ray_session: None, checkpoint: str) -> Iterator[tuple[Any, Any, Any]
     waits for it); both stopped together at the end of the module."""
     async_handle = AsyncVLLMWorker.options(num_cpus=0).remote(
         **engine_kwargs(
-            checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait", env=CORE_IN_PROCESS
+            checkpoint, name="vllm-staged-async", stage_updates=True, pause_mode="wait", env=NO_V1_MULTIPROCESSING
         )
     )
     started = async_handle.start.remote()
-    staged = {"name": "vllm-staged", "stage_updates": True, "env": CORE_IN_PROCESS}
+    staged = {"name": "vllm-staged", "stage_updates": True, "env": NO_V1_MULTIPROCESSING}
     for handle in started_beside(async_handle, started, checkpoint, **staged):
         yield handle, async_handle, started
 

@@ -18,6 +18,7 @@ directory.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import select
@@ -116,7 +117,8 @@ class Bell:
 
     A push rings every listening worker each sync; a socket made, connected and closed per
     ring costs several times the send itself. Call order: ``Bell(address, key, who)``, then
-    :meth:`ring` once per sync, :meth:`close` when the worker is forgotten.
+    :meth:`ring` once per sync, :meth:`close` when the worker is forgotten. Not safe for two
+    threads at once: the pusher rings and forgets under its own lock.
     """
 
     def __init__(self, address: str, key: bytes, who: str) -> None:
@@ -130,8 +132,10 @@ class Bell:
 
         Never blocks past ``deadline`` (``time.monotonic()``): while the listener's queue is
         full the ring waits for room, and at the deadline raises :class:`TransferTimeout`
-        naming the worker.
+        naming the worker. A kept socket whose peer went away is closed and the address
+        connected afresh once, so the answer is the same as a new socket's would be.
         """
+        fresh = self._sock is None
         sock = self._sock or self._connect()
         if sock is None:
             return False
@@ -141,9 +145,17 @@ class Bell:
                 return True
             except BlockingIOError:
                 pass
-            except (ConnectionRefusedError, FileNotFoundError):
-                self.close()  # the listener's socket is gone; a later ring connects afresh
-                return False
+            except OSError as exc:
+                if not _peer_gone(exc):
+                    raise
+                self.close()
+                if fresh:
+                    return False
+                fresh = True
+                sock = self._connect()
+                if sock is None:
+                    return False
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout(
@@ -154,13 +166,17 @@ class Bell:
             select.select([], [sock], [], min(left, _RETRY_S))
 
     def _connect(self) -> socket.socket | None:
+        """A socket connected to the listener's address, kept for later rings; None when
+        nobody listens there."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
         try:
             # Connected, so a full peer queue reads as "not writable" to select.
             sock.connect(self.address)
-        except (ConnectionRefusedError, FileNotFoundError):
+        except OSError as exc:
             sock.close()
+            if not _peer_gone(exc):
+                raise
             return None
         self._sock = sock
         return sock
@@ -171,9 +187,16 @@ class Bell:
         return self._sock is not None
 
     def close(self) -> None:
+        """Let the socket go; a later ring connects afresh."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _peer_gone(exc: OSError) -> bool:
+    """Whether ``exc`` says nobody listens at the address (any more): refused, no such
+    file, or, on systems that disconnect a datagram socket whose peer closed, not connected."""
+    return isinstance(exc, (ConnectionError, FileNotFoundError)) or exc.errno in (errno.ENOTCONN, errno.EDESTADDRREQ)
 
 
 def ring(address: str, key: bytes, deadline: float, who: str) -> bool:

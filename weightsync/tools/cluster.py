@@ -129,5 +129,5 @@ def missing_gpus(needed: float, what: str) -> str | None:
         return None
     return (
         f"{what} needs {needed:g} GPU(s) but the Ray cluster has {have:g}: run it on a machine with an NVIDIA GPU, "
-        "or join a cluster that has one (--address or RAY_ADDRESS)"
+        "or join a cluster that has one (RAY_ADDRESS, or --address where the command takes it)"
     )

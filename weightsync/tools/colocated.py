@@ -41,7 +41,8 @@ def colocated_pair(
     the 16gb model's 194 tensors: host work grows with the tensor count, not their bytes)."""
     if layers < 0:
         raise ValueError(f"layers is a number of blocks (0: the size's own), got {layers}")
-    problem = missing_gpus(1, f"a colocated pair on {device}") if device == "cuda" else None
+    # After connect_colocated (or any ray.init): asked before Ray runs, Ray has no cluster to answer.
+    problem = missing_gpus(1, f"a colocated pair on {device}") if device == "cuda" and ray.is_initialized() else None
     if problem is not None:  # else both actors would wait for a GPU for ever
         raise SettingsError(problem)
     gpus = 0.5 if device == "cuda" else 0
