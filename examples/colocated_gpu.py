@@ -17,18 +17,12 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import weightsync
-from weightsync.tools.cluster import connect, missing_gpus
+from weightsync.tools.cluster import connect_with_gpus
 from weightsync.tools.models import PolicyFactory, train_step
-from weightsync.tools.preflight import no_local_gpu
 
 
 def main(workers: int = 2) -> int:
-    problem = no_local_gpu("examples/colocated_gpu.py")
-    if problem:
-        print(problem, flush=True)
-        return 2
-    connect()
-    problem = missing_gpus(1, "examples/colocated_gpu.py")
+    problem = connect_with_gpus(1, "examples/colocated_gpu.py")  # said before Ray starts, when it would
     if problem:
         print(problem, flush=True)
         return 2

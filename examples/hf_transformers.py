@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 import weightsync
-from weightsync.tools.cluster import connect, missing_gpus
-from weightsync.tools.preflight import no_local_gpu
+from weightsync.tools.cluster import connect_with_gpus
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 
@@ -153,12 +152,7 @@ def main() -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer and workers run")
     args = parser.parse_args()
-    problem = no_local_gpu("examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
-    if problem:
-        print(problem, flush=True)
-        return 2
-    connect()
-    problem = missing_gpus(1, "examples/hf_transformers.py --device cuda") if args.device == "cuda" else None
+    problem = connect_with_gpus(1 if args.device == "cuda" else 0, "examples/hf_transformers.py --device cuda")
     if problem:
         print(problem, flush=True)
         return 2

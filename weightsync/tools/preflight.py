@@ -1,9 +1,9 @@
-"""Checks an example makes before it starts Ray, so a missing GPU is said at once.
+"""The check a command that needs a GPU makes before it starts Ray, so a missing GPU is said at once.
 
 Starting an embedded Ray cluster takes seconds; a machine without a GPU can be told so
-before that. When the example joins a cluster (``RAY_ADDRESS`` set, as ``ray job submit``
+before that. When the command joins a cluster (``RAY_ADDRESS`` set, as ``ray job submit``
 does), the GPU may be on another node, so only the cluster can answer:
-:func:`weightsync.tools.cluster.missing_gpus` after connecting.
+:func:`weightsync.tools.cluster.connect_with_gpus` makes both checks, each where it applies.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ class DirectTarget(TornDown, ReceiveHalf):
         self._region: Region | None = None
         self._control: ControlBlock | None = None
         self._export: DirectExport | None = None
-        self._layout: list[tuple[int, torch.Size, torch.dtype]] = []  # per tensor as exported
-        self._pointers: list[int] = []  # the same, one list per field (see :meth:`stale`)
+        # Each tensor as exported, one list per field (see :meth:`stale`).
+        self._pointers: list[int] = []
         self._sizes: list[torch.Size] = []
         self._dtypes: list[torch.dtype] = []
         self.exports_made = 0
@@ -113,12 +113,9 @@ class DirectTarget(TornDown, ReceiveHalf):
         )
         self._control[TARGET_PID] = os.getpid()
         self._control.precise = self.device.type == "cuda"
-        self._layout = [
-            (pointer, torch.Size(spec.shape), spec.torch_dtype) for pointer, spec in zip(pointers, self.manifest.specs)
-        ]
         self._pointers = pointers
-        self._sizes = [size for _, size, _ in self._layout]
-        self._dtypes = [dtype for _, _, dtype in self._layout]
+        self._sizes = [torch.Size(spec.shape) for spec in self.manifest.specs]
+        self._dtypes = [spec.torch_dtype for spec in self.manifest.specs]
         self._export = DirectExport(
             session=uuid.uuid4().hex[:16],
             worker=self.name,
@@ -145,7 +142,8 @@ class DirectTarget(TornDown, ReceiveHalf):
             return []
         current = [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
         _mismatches(self.manifest, tensors, self.name)
-        return [spec.name for spec, now, then in zip(self.manifest.specs, current, self._layout) if now != then]
+        exported = zip(self._pointers, self._sizes, self._dtypes)
+        return [spec.name for spec, now, then in zip(self.manifest.specs, current, exported) if now != then]
 
     def receive(self, sink: Landing, call: SyncCall, begin: Callable[[], None]) -> tuple[list[int], tuple[str, ...]]:
         """Announce, wait for the trainer's write, check it (with ``verify``)."""
