@@ -11,7 +11,7 @@ import pytest
 from weightsync.core import registry
 from weightsync.core.plugin import Serving
 from weightsync.tools.cli import build_parser, demo_transports, main
-from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect
+from weightsync.tools.cluster import JOB_CONFIG_VAR, _joining_env, connect, inherited_by_ray
 
 
 @pytest.mark.parametrize(
@@ -175,6 +175,19 @@ def test_a_job_that_sets_its_own_pythonpath_joins_without_ours(monkeypatch: pyte
     job_env = {"working_dir": "/x", "env_vars": {"PYTHONPATH": "/my/libs"}}
     monkeypatch.setenv(JOB_CONFIG_VAR, json.dumps({"runtime_env": job_env, "metadata": {}}))
     assert _joining_env(ours) is None
+
+
+def test_the_environment_a_local_cluster_inherits_is_set_only_while_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an embedded cluster's actors get (this checkout on their PYTHONPATH) leaves this
+    process's environment as it was, also when starting fails."""
+    monkeypatch.setenv("WEIGHTSYNC_TEST_KEPT", "before")
+    monkeypatch.delenv("WEIGHTSYNC_TEST_ADDED", raising=False)
+    with pytest.raises(RuntimeError, match="ray.init failed"):
+        with inherited_by_ray({"WEIGHTSYNC_TEST_KEPT": "during", "WEIGHTSYNC_TEST_ADDED": "during"}):
+            assert os.environ["WEIGHTSYNC_TEST_KEPT"] == os.environ["WEIGHTSYNC_TEST_ADDED"] == "during"
+            raise RuntimeError("ray.init failed")
+    assert os.environ["WEIGHTSYNC_TEST_KEPT"] == "before"
+    assert "WEIGHTSYNC_TEST_ADDED" not in os.environ
 
 
 def test_demo_offers_only_the_transports_its_one_trainer_process_can_serve() -> None:

@@ -14,8 +14,10 @@ submit``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +54,14 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     if ray.is_initialized():
         return {"mode": "already connected"}
     path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": path}}
     if address:
-        ray.init(address=address, runtime_env=_joining_env(runtime_env), log_to_driver=False)
+        ray.init(address=address, runtime_env=_joining_env({"env_vars": {"PYTHONPATH": path}}), log_to_driver=False)
         return {"mode": "joined", "address": address}
     _stay_on_loopback()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kwargs: dict[str, Any] = {
         "address": "local",
         "include_dashboard": False,
-        "runtime_env": runtime_env,
         "log_to_driver": False,
         "_node_ip_address": LOOPBACK,
     }
@@ -69,7 +69,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         kwargs["num_cpus"] = num_cpus
     if num_gpus is not None:
         kwargs["num_gpus"] = num_gpus
-    ray.init(**kwargs)
+    with inherited_by_ray({"PYTHONPATH": path}):
+        ray.init(**kwargs)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         ray.shutdown()
@@ -79,6 +80,31 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and pass --address"
         )
     return {"mode": "started", "address": "local", "node_ip": node_ip}
+
+
+@contextlib.contextmanager
+def inherited_by_ray(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in this process's environment while it starts a local cluster, then
+    restore the environment as it was.
+
+    Every process of a cluster that this process starts (the raylet, and the workers it
+    starts for actors) inherits the environment it sees now. That hands every actor these
+    variables without a job runtime env, whose actors each wait on Ray's runtime-env agent
+    before they start (about 0.25 s more per actor on a 2-core machine)::
+
+        with inherited_by_ray({"PYTHONPATH": checkout}):
+            ray.init(address="local", ...)
+    """
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _joining_env(ours: dict[str, Any]) -> dict[str, Any] | None:
