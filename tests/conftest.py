@@ -39,8 +39,9 @@ def ray_session() -> Iterator[None]:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     # The actors' environment is the cluster's own, inherited when it starts (this checkout on
     # PYTHONPATH; loopback gloo and the shared-memory scope are set above), not a job runtime
-    # env, which would make every actor's start wait on Ray's runtime-env agent. This process
-    # keeps its own PYTHONPATH: the commands the tests run see what a user's shell gives them.
+    # env, which would make every actor's start wait on the process Ray runs to set runtime
+    # envs up. This process keeps its own PYTHONPATH: the commands the tests run see what a
+    # user's shell gives them.
     with inherited_by_ray({"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}):
         ray.init(address="local", num_cpus=8, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     yield

@@ -89,8 +89,8 @@ def inherited_by_ray(values: Mapping[str, str]) -> Iterator[None]:
 
     Every process of a cluster that this process starts (the raylet, and the workers it
     starts for actors) inherits the environment it sees now. That hands every actor these
-    variables without a job runtime env, whose actors each wait on Ray's runtime-env agent
-    before they start (about 0.25 s more per actor on a 2-core machine)::
+    variables without a job runtime env, whose actors each wait before they start on the
+    process Ray runs to set runtime envs up (about 0.25 s more per actor on 2 cores)::
 
         with inherited_by_ray({"PYTHONPATH": checkout}):
             ray.init(address="local", ...)
