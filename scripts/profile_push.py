@@ -10,6 +10,11 @@ the model's bytes on the same device::
 
     .venv/bin/python scripts/profile_push.py --device cuda --size 16gb --pushes 40
 
+``--beside`` also runs a block of pushes while another thread of the trainer's process wakes
+every 0.1 ms (a data loader's stand-in), and prints how late that thread woke at worst in
+each push, against the same stretch of time with no push: what a push's waits, which spin
+inside their window, take from the trainer's other threads.
+
 ``--layers 32`` gives a small size the 16gb model's 194 tensors (the host work grows with
 the tensor count, not their bytes). ``--cprofile`` profiles another block of pushes
 function by function on both sides (cProfile slows Python down: read it for shares).
@@ -22,6 +27,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -107,6 +113,43 @@ class StampedTrainer(TrainerHost):
             times.append(time.perf_counter() - start)
         return times, _report(profile, 30) if profile is not None else ""
 
+    def pushes_beside(self, version: int, count: int) -> tuple[list[float], list[float], list[float]]:
+        """``count`` pushes while a thread beside them wakes every 0.1 ms, then ``count``
+        idle stretches as long as the pushes' median: (push seconds, the thread's worst
+        lateness in each push, in each idle stretch)."""
+        wakes: list[tuple[float, float]] = []  # (woke at, seconds late)
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                before = time.perf_counter()
+                time.sleep(1e-4)
+                after = time.perf_counter()
+                wakes.append((after, after - before - 1e-4))
+
+        thread = threading.Thread(target=tick, daemon=True)
+        thread.start()
+        try:
+            windows, times = [], []
+            for i in range(count):
+                start = time.perf_counter()
+                self.weightsync_push(version + 1 + i)
+                times.append(time.perf_counter() - start)
+                windows.append((start, time.perf_counter()))
+            idle = []
+            for _ in range(count):
+                start = time.perf_counter()
+                time.sleep(statistics.median(times))
+                idle.append((start, time.perf_counter()))
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+
+        def worst(spans: list[tuple[float, float]]) -> list[float]:
+            return [max((late for at, late in wakes if a < at <= b), default=0.0) for a, b in spans]
+
+        return times, worst(windows), worst(idle)
+
     def raw_copy_ms(self, repeats: int) -> float:
         """One device copy of a buffer of the model's bytes (median of ``repeats``)."""
         nbytes = sum(t.numel() * t.element_size() for _, t in module_tensors(self.model))  # tied: once
@@ -140,7 +183,7 @@ class StampedWorker(WorkerHost):
         def serve(this: Any, call: Any) -> None:
             self.listener_profile.runcall(original, this, call)
 
-        listener.Listener._serve = serve  # type: ignore[method-assign]
+        listener.Listener._serve = serve  # type: ignore[method-assign,assignment]
 
     def listener_report(self) -> str:
         return _report(self.listener_profile, 30)
@@ -176,6 +219,7 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=40)
     parser.add_argument("--layers", type=int, default=0, help="blocks of the model (default: the size's own)")
     parser.add_argument("--cprofile", action="store_true", help="also profile a block of pushes function by function")
+    parser.add_argument("--beside", action="store_true", help="also time another thread of the trainer during pushes")
     args = parser.parse_args()
     if args.pushes < 3:
         parser.error(f"--pushes must be at least 3 (the first 2 warm up), got {args.pushes}")
@@ -209,6 +253,23 @@ def timeline(args: argparse.Namespace, trainer: Any, worker: Any) -> None:
         print(profiled)
         print("=== worker (listener) ===")
         print(ray.get(worker.listener_report.remote(), timeout=60))
+    if args.beside:
+        beside(args, trainer)
+
+
+def beside(args: argparse.Namespace, trainer: Any) -> None:
+    """Print how late a thread beside the pushes wakes, against idle stretches as long."""
+    # Versions after the timed block's and the profiled block's.
+    times, pushing, idle = ray.get(trainer.pushes_beside.remote(2 * args.pushes, args.pushes), timeout=600)
+    skip = 2
+
+    def ms(values: list[float]) -> str:
+        kept = values[skip:]
+        return f"median {statistics.median(kept) * 1e3:.3f} ms, max {max(kept) * 1e3:.3f}"
+
+    print(f"pushes with a thread beside them: {ms(times)}")
+    print(f"that thread's worst lateness per push: {ms(pushing)}")
+    print(f"the same, idle stretches as long:      {ms(idle)}")
 
 
 if __name__ == "__main__":
