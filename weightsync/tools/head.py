@@ -322,6 +322,11 @@ def _head_environment(token_path: Path) -> dict[str, str]:
         # A job's `python` is found on the head's PATH: make it this environment's.
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
+    # On SIGTERM `ray start --block` first drains its node, for up to 30 s by default, until
+    # every worker lease is returned (for Serve replicas to move elsewhere). A head of this
+    # checkout has no other node to move work to: `stop` ends it at once, and a lease still
+    # held (a job's actor, a worker being started) no longer keeps it alive for 30 s.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     return env
 
 
