@@ -310,7 +310,8 @@ def _ray_start_command(
 
 
 def _head_environment(token_path: Path) -> dict[str, str]:
-    """The head's environment: loopback, token auth from ``token_path``, this venv's python."""
+    """The head's environment: loopback, token auth from ``token_path``, this venv's python,
+    no drain of the node when it is stopped."""
     env = dict(os.environ)
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
