@@ -48,6 +48,9 @@ from weightsync.transports.push import listener, pusher
 
 Stamps = dict[str, list[tuple[float, float]]]
 
+#: Pushes at the start of each block that warm up and are left out of every median.
+WARM_UP = 2
+
 #: (class or module, function, step name): the trainer's steps, then the worker's.
 TRAINER_STEPS: list[tuple[Any, str, str]] = [
     (pusher.Pusher, "_push", "push"),
@@ -117,7 +120,7 @@ class StampedTrainer(TrainerHost):
         """``count`` pushes while a thread beside them wakes every 0.1 ms, then ``count``
         idle stretches as long as the pushes' median: (push seconds, the thread's worst
         lateness in each push, in each idle stretch)."""
-        wakes: list[tuple[float, float]] = []  # (woke at, seconds late)
+        wakes: list[tuple[float, float, float]] = []  # (slept from, woke at, seconds late)
         stop = threading.Event()
 
         def tick() -> None:
@@ -125,7 +128,7 @@ class StampedTrainer(TrainerHost):
                 before = time.perf_counter()
                 time.sleep(1e-4)
                 after = time.perf_counter()
-                wakes.append((after, after - before - 1e-4))
+                wakes.append((before, after, after - before - 1e-4))
 
         thread = threading.Thread(target=tick, daemon=True)
         thread.start()
@@ -146,7 +149,9 @@ class StampedTrainer(TrainerHost):
             thread.join(timeout=10)
 
         def worst(spans: list[tuple[float, float]]) -> list[float]:
-            return [max((late for at, late in wakes if a < at <= b), default=0.0) for a, b in spans]
+            # A wait counts in every span it overlaps: one held up to a push's end, or through
+            # a whole push, wakes after the push and is still the push's doing.
+            return [max((late for slept, woke, late in wakes if slept < b and woke > a), default=0.0) for a, b in spans]
 
         return times, worst(windows), worst(idle)
 
@@ -222,7 +227,7 @@ def main() -> None:
     parser.add_argument("--beside", action="store_true", help="also time another thread of the trainer during pushes")
     args = parser.parse_args()
     if args.pushes < 3:
-        parser.error(f"--pushes must be at least 3 (the first 2 warm up), got {args.pushes}")
+        parser.error(f"--pushes must be at least {WARM_UP + 1} (the first {WARM_UP} warm up), got {args.pushes}")
     connect_colocated(args.device, "scripts/profile_push.py")
     trainer, worker = colocated_pair(args.size, args.device, StampedTrainer, StampedWorker, layers=args.layers)
     with WeightSync(trainer, [worker], transport="direct", push=True):  # set up on entering, closed on leaving
@@ -233,13 +238,12 @@ def timeline(args: argparse.Namespace, trainer: Any, worker: Any) -> None:
     """Time and stamp a block of pushes (the session is set up), then print the timeline."""
     ray.get([trainer.stamp.remote(), worker.stamp.remote()], timeout=60)
     times, _ = ray.get(trainer.pushes.remote(0, args.pushes, False), timeout=600)
-    skip = 2
     rows = _timeline(
-        ray.get(trainer.get_stamps.remote(), timeout=60), ray.get(worker.get_stamps.remote(), timeout=60), skip
+        ray.get(trainer.get_stamps.remote(), timeout=60), ray.get(worker.get_stamps.remote(), timeout=60), WARM_UP
     )
     print(
         f"in-trainer push, {args.size} ({args.layers or 'default'} layers) on {args.device}: median "
-        f"{statistics.median(times[skip:]) * 1e3:.3f} ms of {len(times) - skip} (min {min(times[skip:]) * 1e3:.3f})"
+        f"{statistics.median(times[WARM_UP:]) * 1e3:.3f} ms of {len(times) - WARM_UP} (min {min(times[WARM_UP:]) * 1e3:.3f})"
     )
     if args.device == "cuda":
         print(f"one raw copy of the model's bytes: {ray.get(trainer.raw_copy_ms.remote(10), timeout=120):.3f} ms")
@@ -261,10 +265,9 @@ def beside(args: argparse.Namespace, trainer: Any) -> None:
     """Print how late a thread beside the pushes wakes, against idle stretches as long."""
     # Versions after the timed block's and the profiled block's.
     times, pushing, idle = ray.get(trainer.pushes_beside.remote(2 * args.pushes, args.pushes), timeout=600)
-    skip = 2
 
     def ms(values: list[float]) -> str:
-        kept = values[skip:]
+        kept = values[WARM_UP:]
         return f"median {statistics.median(kept) * 1e3:.3f} ms, max {max(kept) * 1e3:.3f}"
 
     print(f"pushes with a thread beside them: {ms(times)}")
