@@ -13,7 +13,8 @@ the model's bytes on the same device::
 ``--beside`` also runs a block of pushes while another thread of the trainer's process wakes
 every 0.1 ms (a data loader's stand-in), and prints how late that thread woke at worst in
 each push, against the same stretch of time with no push: what a push's waits, which spin
-inside their window, take from the trainer's other threads.
+inside their window, take from the trainer's other threads. When in each push its worst wait
+began says which step held the thread off.
 
 ``--layers 32`` gives a small size the 16gb model's 194 tensors (the host work grows with
 the tensor count, not their bytes). ``--cprofile`` profiles another block of pushes
@@ -116,10 +117,13 @@ class StampedTrainer(TrainerHost):
             times.append(time.perf_counter() - start)
         return times, _report(profile, 30) if profile is not None else ""
 
-    def pushes_beside(self, version: int, count: int) -> tuple[list[float], list[float], list[float]]:
+    def pushes_beside(
+        self, version: int, count: int
+    ) -> tuple[list[float], list[tuple[float, float]], list[tuple[float, float]]]:
         """``count`` pushes while a thread beside them wakes every 0.1 ms, then ``count``
-        idle stretches as long as the pushes' median: (push seconds, the thread's worst
-        lateness in each push, in each idle stretch)."""
+        idle stretches as long as the pushes' median: (push seconds, then for each push and
+        each idle stretch the thread's worst lateness in it and when that wait began,
+        seconds after the span began)."""
         wakes: list[tuple[float, float, float]] = []  # (slept from, woke at, seconds late)
         stop = threading.Event()
 
@@ -148,10 +152,13 @@ class StampedTrainer(TrainerHost):
             stop.set()
             thread.join(timeout=10)
 
-        def worst(spans: list[tuple[float, float]]) -> list[float]:
+        def worst(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
             # A wait counts in every span it overlaps: one held up to a push's end, or through
             # a whole push, wakes after the push and is still the push's doing.
-            return [max((late for slept, woke, late in wakes if slept < b and woke > a), default=0.0) for a, b in spans]
+            return [
+                max(((late, slept - a) for slept, woke, late in wakes if slept < b and woke > a), default=(0.0, 0.0))
+                for a, b in spans
+            ]
 
         return times, worst(windows), worst(idle)
 
@@ -271,8 +278,11 @@ def beside(args: argparse.Namespace, trainer: Any) -> None:
         return f"median {statistics.median(kept) * 1e3:.3f} ms, max {max(kept) * 1e3:.3f}"
 
     print(f"pushes with a thread beside them: {ms(times)}")
-    print(f"that thread's worst lateness per push: {ms(pushing)}")
-    print(f"the same, idle stretches as long:      {ms(idle)}")
+    print(f"that thread's worst lateness per push: {ms([late for late, _ in pushing])}")
+    print(f"the same, idle stretches as long:      {ms([late for late, _ in idle])}")
+    # Where in the push the worst wait began says which step held the GIL (the timeline above).
+    began = sorted(round(at * 1e3, 2) for _, at in pushing[WARM_UP:])
+    print(f"each push's worst wait began at (ms after the push began, sorted): {began}")
 
 
 if __name__ == "__main__":

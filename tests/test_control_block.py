@@ -18,9 +18,9 @@ from weightsync.mechanisms import control as control_module
 from weightsync.mechanisms import pace as pace_module
 from weightsync.mechanisms import streams as streams_module
 from weightsync.mechanisms.control import TRAINER, ControlBlock, worker_code
-from weightsync.mechanisms.pace import NO_SPIN, Pace, spinning
+from weightsync.mechanisms.pace import FIRST_SPIN_S, NO_SPIN, Pace, spinning
 from weightsync.mechanisms.shm import map_shm
-from weightsync.mechanisms.streams import precise_sleeps, wait_for_stream
+from weightsync.mechanisms.streams import precise_sleeps, wait_for_event, wait_for_stream
 
 NAMES = ["trainer", "w0", "w1"]
 HANG_BOUND_S = 60.0  # only bounds a hang; a working wait returns at once
@@ -203,7 +203,7 @@ def test_precise_sleeps_nest_and_restore_the_slack_even_when_the_block_raises() 
 
 
 class Looks:
-    """A predicate that turns true at its ``n``-th look (past a wait's first 2000 spins)."""
+    """A predicate that turns true at its ``n``-th look."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -214,6 +214,23 @@ class Looks:
         return self.looks >= self.n
 
 
+class Clock:
+    """A module's ``time``: a clock that moves ``step`` seconds at each reading, and sleeps
+    recorded (as the reading they began at) and skipped, so the waits run without real time."""
+
+    def __init__(self, step: float) -> None:
+        self.now = 1000.0
+        self.step = step
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(self.now)
+
+
 @pytest.mark.parametrize(
     ("precise", "window", "sleeps"),
     [(True, (0.0, float("inf")), False), (True, NO_SPIN, True), (False, (0.0, float("inf")), True)],
@@ -221,26 +238,55 @@ class Looks:
 def test_a_gpu_wait_looks_without_sleeping_inside_its_spin_window_and_only_there(
     precise: bool, window: tuple[float, float], sleeps: bool, monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
 ) -> None:
-    slept: list[float] = []
-    # The module's clock, its sleeps counted and skipped (the process's own time module untouched).
-    monkeypatch.setattr(control_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
+    clock = Clock(1e-6)  # the 2500 looks span 2.5 ms, past the first spin
+    monkeypatch.setattr(control_module, "time", clock)
     block = ControlBlock.create(1, tag="test", parties=1)
     block.precise = precise  # a CPU transport's block never spins: its peer needs the cores
     try:
-        block.wait(Looks(2500), time.monotonic() + HANG_BOUND_S, "w0", lambda: "trainer", ["trainer"], spin=window)
+        block.wait(Looks(2500), clock.now + HANG_BOUND_S, "w0", lambda: "trainer", ["trainer"], spin=window)
     finally:
         block.close()
-    assert bool(slept) is sleeps, len(slept)
+    assert bool(clock.slept) is sleeps, len(clock.slept)
 
 
 def test_a_stream_wait_polls_without_sleeping_inside_its_spin_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    slept: list[float] = []
-    monkeypatch.setattr(streams_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=slept.append))
     for window, sleeps in [((0.0, float("inf")), False), (NO_SPIN, True)]:
-        slept.clear()
+        clock = Clock(1e-6)
+        monkeypatch.setattr(streams_module, "time", clock)
         stream: Any = SimpleNamespace(query=Looks(2500))  # a stream whose work ends at its 2500th look
-        wait_for_stream(stream, time.monotonic() + HANG_BOUND_S, "copies into w0 timed out", own=True, spin=window)
-        assert bool(slept) is sleeps, len(slept)
+        wait_for_stream(stream, clock.now + HANG_BOUND_S, "copies into w0 timed out", own=True, spin=window)
+        assert bool(clock.slept) is sleeps, len(clock.slept)
+
+
+@pytest.mark.parametrize("step", [1e-6, 50e-6], ids=["fast-looks", "slow-looks"])
+def test_every_wait_spins_for_its_first_spin_time_however_long_a_look_takes(
+    step: float, monkeypatch: pytest.MonkeyPatch, no_shm_leftovers: None
+) -> None:
+    # A spinning look holds the thread's GIL: the spin is bounded in time, not in looks, so
+    # a costly look (a control block's, a busy host's) does not hold other threads off longer.
+    expected_looks = round(FIRST_SPIN_S / step)
+    clock = Clock(step)
+    monkeypatch.setattr(control_module, "time", clock)
+    block = ControlBlock.create(1, tag="test", parties=1)
+    block.precise = True
+    looks = Looks(4 * expected_looks + 10)
+    began = clock.now
+    try:
+        block.wait(looks, clock.now + HANG_BOUND_S, "w0", lambda: "trainer", ["trainer"], spin=NO_SPIN)
+    finally:
+        block.close()
+    first_sleep = clock.slept[0]
+    assert FIRST_SPIN_S <= first_sleep - began <= FIRST_SPIN_S + 2 * step, first_sleep - began
+    for kind in ("stream", "event"):
+        clock = Clock(step)
+        monkeypatch.setattr(streams_module, "time", clock)
+        began = clock.now
+        work: Any = SimpleNamespace(query=Looks(4 * expected_looks + 10))
+        if kind == "event":
+            wait_for_event(work, clock.now + HANG_BOUND_S, "copies timed out")
+        else:
+            wait_for_stream(work, clock.now + HANG_BOUND_S, "copies timed out", own=True)
+        assert FIRST_SPIN_S <= clock.slept[0] - began <= FIRST_SPIN_S + 2 * step, (kind, clock.slept[0] - began)
 
 
 def test_a_pace_opens_its_window_around_when_the_last_wait_says_the_next_one_ends(
@@ -253,13 +299,13 @@ def test_a_pace_opens_its_window_around_when_the_last_wait_says_the_next_one_end
         monkeypatch.setattr(pace_module, "time", SimpleNamespace(monotonic=lambda: now))
 
     ended_at(100.011)
-    pace.record(100.0)  # an 11 ms wait: a window of a tenth of it on either side, and 1 ms late
+    pace.record(100.0)  # an 11 ms wait: a window of 2% of it on either side, and 1 ms late
     start, end = pace.window(200.0)
     assert spinning((start, end), 200.011)  # when the next one is due
-    assert not spinning((start, end), 200.005) and not spinning((start, end), 200.02)
-    assert start - 200.0 == pytest.approx(0.011 - 0.0011, abs=1e-9)
-    assert end - start == pytest.approx(2 * 0.0011 + 0.001, abs=1e-9)
-    for waited, lead in [(1.0, 0.002), (0.001, 0.0002)]:  # the lead stays within 0.2-2 ms
+    assert not spinning((start, end), 200.0105) and not spinning((start, end), 200.0125)
+    assert start - 200.0 == pytest.approx(0.011 - 0.00022, abs=1e-9)
+    assert end - start == pytest.approx(2 * 0.00022 + 0.001, abs=1e-9)
+    for waited, lead in [(1.0, 0.002), (0.001, 0.0001)]:  # the lead stays within 0.1-2 ms
         ended_at(100.0 + waited)
         pace.record(100.0)
         start, end = pace.window(0.0)

@@ -36,7 +36,7 @@ import torch
 
 from weightsync.core.wire.errors import PeerAborted, TransferTimeout, WeightSyncError
 from weightsync.core.wire.messages import ShmHandle
-from weightsync.mechanisms.pace import NO_SPIN, spinning
+from weightsync.mechanisms.pace import FIRST_SPIN_S, NO_SPIN, spinning
 from weightsync.mechanisms.shm import ShmRegion, pid_alive
 from weightsync.mechanisms.streams import precise_sleeps
 
@@ -172,10 +172,12 @@ class ControlBlock:
         ``names[code - 1]`` names the side that wrote abort ``code``. ``what`` words the
         error (called only then, so it names who is late at that moment); ``late`` returns
         the parties that are late, which the timeout blames; ``peer_pid`` the process to
-        watch (0: none yet). With :attr:`precise`, the wait looks without sleeping inside
+        watch (0: none yet). The wait looks without sleeping for its first
+        :data:`~weightsync.mechanisms.pace.FIRST_SPIN_S`, and with :attr:`precise` inside
         ``spin`` (:class:`~weightsync.mechanisms.pace.Pace`: when the hand-off is due).
         """
-        spins = 0
+        began = time.monotonic()
+        sleeping = False
         delay = 10e-6
         next_check = 0.0
         with contextlib.ExitStack() as slack:  # the thread's timer slack is restored on leaving
@@ -187,12 +189,13 @@ class ControlBlock:
                     raise PeerAborted(
                         f"{me}: {who} failed during the transfer{then}; stopped waiting for {what()}", blames=[who]
                     )
-                spins += 1
-                if spins <= 2000:
-                    continue
-                if spins == 2001 and self.precise:
-                    slack.enter_context(precise_sleeps())
                 now = time.monotonic()
+                if now - began < FIRST_SPIN_S:
+                    continue
+                if not sleeping:
+                    sleeping = True
+                    if self.precise:
+                        slack.enter_context(precise_sleeps())
                 if now > deadline:
                     blamed = list(late()) if late is not None else []
                     raise TransferTimeout(

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from weightsync.core.wire.errors import StreamTimeout, TransferTimeout
-from weightsync.mechanisms.pace import NO_SPIN, spinning
+from weightsync.mechanisms.pace import FIRST_SPIN_S, NO_SPIN, spinning
 
 log = logging.getLogger("weightsync")
 _PR_SET_TIMERSLACK = 29
@@ -134,19 +134,21 @@ def wait_for_stream(
 
     ``stream.synchronize()`` would wait forever on a collective whose peer died, so the
     stream is polled and the caller gets a :class:`TransferTimeout` it can act on (abort
-    the communicator) instead. Inside ``spin`` (:class:`~weightsync.mechanisms.pace.Pace`:
-    when the work is due to end) it polls without sleeping.
+    the communicator) instead. It polls without sleeping for its first
+    :data:`~weightsync.mechanisms.pace.FIRST_SPIN_S` and inside ``spin``
+    (:class:`~weightsync.mechanisms.pace.Pace`: when the work is due to end).
     """
-    polls = 0
+    began = time.monotonic()
+    sleeping = False
     delay = 10e-6
     with contextlib.ExitStack() as slack:
         while not stream.query():
-            polls += 1
-            if polls < 2000:  # a chunk's copy often ends within a few hundred microseconds
-                continue
-            if polls == 2000:
-                slack.enter_context(precise_sleeps())
             now = time.monotonic()
+            if now - began < FIRST_SPIN_S:
+                continue
+            if not sleeping:
+                sleeping = True
+                slack.enter_context(precise_sleeps())
             if now > deadline:
                 # ``own``: the stream holds only this process's copies, so a late stream is this
                 # party's failure; otherwise (a collective on it) it waits on a peer.
@@ -160,13 +162,13 @@ def wait_for_stream(
 def wait_for_event(event: torch.cuda.Event, deadline: float, on_timeout: str) -> None:
     """Wait, up to ``deadline``, for the work recorded before ``event`` (this process's own
     copies: a late event is this party's failure, a :class:`StreamTimeout`)."""
+    began = time.monotonic()
     delay = 10e-6
-    polls = 0
     while not event.query():
-        polls += 1
-        if polls < 2000:
+        now = time.monotonic()
+        if now - began < FIRST_SPIN_S:
             continue
-        if time.monotonic() > deadline:
+        if now > deadline:
             raise StreamTimeout(on_timeout)
         time.sleep(delay)
         delay = min(delay * 2, 20e-6)
