@@ -1,4 +1,8 @@
-"""Shared fixtures: one loopback Ray cluster per session, actor cleanup, GPU markers."""
+"""Shared fixtures: one loopback Ray cluster per session, actor cleanup, GPU markers.
+
+``scripts/run.sh test`` runs the whole suite in two pytest processes (``-n 2 --dist
+loadfile``) where there is no GPU: each process is a session of its own, with its own
+cluster and shared-memory scope, and each test file runs whole in one of them."""
 
 from __future__ import annotations
 
