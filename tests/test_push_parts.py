@@ -173,6 +173,19 @@ def test_the_trainer_and_a_listener_leave_their_parts_in_the_slots_the_call_name
     assert answer.outcome.value == result.workers["w"].outcome.value
 
 
+class Heard(logging.Handler):
+    """Sets :attr:`event` once a record whose message contains ``text`` is logged, from any thread."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
 def test_a_part_that_cannot_be_left_is_logged_and_the_push_answers_as_before(
     local_push: LocalPush, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -182,16 +195,14 @@ def test_a_part_that_cannot_be_left_is_logged_and_the_push_answers_as_before(
     local_push.sender.answer_early = local_push.receiver.answer_early = broken
     # The listener's thread leaves its part after its answer, which the push may already have
     # read: the test waits (bounded) for the listener's warning, not for the push.
-    listener_warned = threading.Event()
-    when_warned = logging.Handler()
-    when_warned.emit = lambda record: listener_warned.set() if "its answer" in record.getMessage() else None  # type: ignore[method-assign]
-    logging.getLogger("weightsync").addHandler(when_warned)
+    listener_warned = Heard("could not leave its answer")
+    logging.getLogger("weightsync").addHandler(listener_warned)
     try:
         with caplog.at_level(logging.WARNING, logger="weightsync"):
             result = local_push.push(SyncCall(seq=0, version=3, reply=(0, 1), parts=(("trainer", 1), ("w", 2))))
-            listener_warned.wait(timeout=30)
+            listener_warned.event.wait(timeout=30)
     finally:
-        logging.getLogger("weightsync").removeHandler(when_warned)
+        logging.getLogger("weightsync").removeHandler(listener_warned)
     assert result.ok and result.workers["w"].version == 3
     warned = [r.getMessage() for r in caplog.records]
     assert any("w could not leave its answer to sync 0 early" in m and "gone" in m for m in warned), warned
