@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -199,18 +200,67 @@ def test_a_private_token_file_is_read(tmp_path: Path) -> None:
 # --- stop signals only the recorded head -----------------------------------------------------
 
 
+def _start_decoy(head_dir: Path, code: str = "") -> subprocess.Popen[bytes]:
+    """A process of ours whose command line names the head's --temp-dir, as a head's does;
+    returned once it runs ``code`` (its arguments are set then: right after ``Popen``
+    returns, a loaded machine may not have set them yet)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"{code}\nimport time\nprint('up', flush=True)\ntime.sleep(300)",
+            f"--temp-dir={head_dir / 'ray'}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n", (
+        f"the decoy exited with {proc.wait(timeout=30)}"
+    )
+    return proc
+
+
 @pytest.fixture
 def decoy(head_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A process of ours whose command line names the head's --temp-dir, as a head's does."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(300)", f"--temp-dir={head_dir / 'ray'}"],
-        stdin=subprocess.DEVNULL,
-    )
+    proc = _start_decoy(head_dir)
     try:
         yield proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+# The decoy's own arguments overwritten with zeros: its command line then reads empty, as a
+# process's does between exec's point of no return and its new arguments (proc(5): fields 48
+# and 49 of /proc/<pid>/stat are where the arguments lie).
+BLANK_ARGUMENTS = """
+import ctypes
+fields = open('/proc/self/stat').read().rsplit(')', 1)[1].split()
+start, end = int(fields[45]), int(fields[46])
+ctypes.memset(start, 0, end - start)
+"""
+
+
+def test_the_recorded_process_whose_command_line_reads_empty_is_the_head_being_started(head_dir: Path) -> None:
+    proc = _start_decoy(head_dir, BLANK_ARGUMENTS)
+    try:
+        assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().strip(b"\0") == b"", "the decoy's arguments still read"
+        started = process_start_time(proc.pid)
+        assert started is not None
+        info = HeadInfo(**record(head_dir, pid=proc.pid, start_time=started))  # type: ignore[arg-type]
+        assert head_running(info) is True
+        # Not the recorded process (its pid reused), or a record without a start time: never the head.
+        assert head_running(HeadInfo(**{**asdict(info), "start_time": started + 1})) is False
+        assert head_running(HeadInfo(**{**asdict(info), "start_time": 0})) is False
+        assert stop_head(head_dir, timeout_s=30).startswith("stopped the head")
+        assert proc.wait(timeout=30) == -15
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 @pytest.fixture
@@ -338,6 +388,4 @@ def test_stop_works_on_a_kernel_without_pidfds(
     if reused:
         assert "is not running" in said and signals == [], signals
     else:
-        # Had something outside this test ended the decoy first, its exit code says how.
-        assert said.startswith("stopped the head"), (said, signals, decoy.poll())
-        assert decoy.wait(timeout=30) == -15
+        assert said.startswith("stopped the head") and decoy.wait(timeout=30) == -15

@@ -172,7 +172,13 @@ def process_start_time(pid: int) -> int | None:
 def head_running(info: HeadInfo, uid: int | None = None) -> bool:
     """True while the recorded pid is this head's ``ray start``: the same process (start time),
     owned by ``uid`` (this user), with this head's ``--temp-dir`` on its command line. Any other
-    process that now has that pid, or that merely names the temp dir, is not the head."""
+    process that now has that pid, or that merely names the temp dir, is not the head.
+
+    A process that execs reads an empty command line for a moment after its parent's
+    ``Popen`` returned (the kernel closes the pipe ``Popen`` waits on before it sets the new
+    program's arguments; on a busy machine that moment lasts milliseconds): the recorded
+    process, by its start time, with an empty command line is the head being started, so a
+    start interrupted at once still stops its head."""
     uid = os.getuid() if uid is None else uid
     started = process_start_time(info.pid)
     try:
@@ -184,6 +190,8 @@ def head_running(info: HeadInfo, uid: int | None = None) -> bool:
         return False
     if info.start_time and started != info.start_time:
         return False  # the head exited and its pid was reused
+    if info.start_time and not any(cmdline):
+        return True  # the recorded process itself, still in its exec
     return f"--temp-dir={info.temp_dir}".encode() in cmdline
 
 
