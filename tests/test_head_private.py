@@ -7,6 +7,7 @@ check is exercised by passing a uid that is not ours.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -200,10 +201,11 @@ def test_a_private_token_file_is_read(tmp_path: Path) -> None:
 # --- stop signals only the recorded head -----------------------------------------------------
 
 
-def _start_decoy(head_dir: Path, code: str = "") -> subprocess.Popen[bytes]:
+@contextlib.contextmanager
+def running_decoy(head_dir: Path, code: str = "") -> Iterator[subprocess.Popen[bytes]]:
     """A process of ours whose command line names the head's --temp-dir, as a head's does;
-    returned once it runs ``code`` (its arguments are set then: right after ``Popen``
-    returns, a loaded machine may not have set them yet)."""
+    given once it runs ``code`` (its arguments are set then: right after ``Popen`` returns,
+    a loaded machine may not have set them yet), killed on leaving."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -214,22 +216,20 @@ def _start_decoy(head_dir: Path, code: str = "") -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
     )
-    assert proc.stdout is not None and proc.stdout.readline() == b"up\n", (
-        f"the decoy exited with {proc.wait(timeout=30)}"
-    )
-    return proc
-
-
-@pytest.fixture
-def decoy(head_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = _start_decoy(head_dir)
+    assert proc.stdout is not None
     try:
+        assert proc.stdout.readline() == b"up\n", f"the decoy exited with {proc.wait(timeout=30)}"
         yield proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
-        assert proc.stdout is not None
         proc.stdout.close()
+
+
+@pytest.fixture
+def decoy(head_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with running_decoy(head_dir) as proc:
+        yield proc
 
 
 # The decoy's own arguments overwritten with zeros: its command line then reads empty, as a
@@ -244,8 +244,7 @@ ctypes.memset(start, 0, end - start)
 
 
 def test_the_recorded_process_whose_command_line_reads_empty_is_the_head_being_started(head_dir: Path) -> None:
-    proc = _start_decoy(head_dir, BLANK_ARGUMENTS)
-    try:
+    with running_decoy(head_dir, BLANK_ARGUMENTS) as proc:
         assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().strip(b"\0") == b"", "the decoy's arguments still read"
         started = process_start_time(proc.pid)
         assert started is not None
@@ -256,11 +255,6 @@ def test_the_recorded_process_whose_command_line_reads_empty_is_the_head_being_s
         assert head_running(HeadInfo(**{**asdict(info), "start_time": 0})) is False
         assert stop_head(head_dir, timeout_s=30).startswith("stopped the head")
         assert proc.wait(timeout=30) == -15
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 @pytest.fixture

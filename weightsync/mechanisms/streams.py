@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -138,37 +138,44 @@ def wait_for_stream(
     :data:`~weightsync.mechanisms.pace.FIRST_SPIN_S` and inside ``spin``
     (:class:`~weightsync.mechanisms.pace.Pace`: when the work is due to end).
     """
-    began = time.monotonic()
-    sleeping = False
-    delay = 10e-6
-    with contextlib.ExitStack() as slack:
-        while not stream.query():
-            now = time.monotonic()
-            if now - began < FIRST_SPIN_S:
-                continue
-            if not sleeping:
-                sleeping = True
-                slack.enter_context(precise_sleeps())
-            if now > deadline:
-                # ``own``: the stream holds only this process's copies, so a late stream is this
-                # party's failure; otherwise (a collective on it) it waits on a peer.
-                raise (StreamTimeout if own else TransferTimeout)(on_timeout)
-            if spinning(spin, now):
-                continue
-            time.sleep(delay)
-            delay = min(delay * 2, 20e-6)
+    # ``own``: the stream holds only this process's copies, so a late stream is this party's
+    # failure; otherwise (a collective on it) it waits on a peer.
+    _poll(stream.query, deadline, StreamTimeout if own else TransferTimeout, on_timeout, spin, precise=True)
 
 
 def wait_for_event(event: torch.cuda.Event, deadline: float, on_timeout: str) -> None:
     """Wait, up to ``deadline``, for the work recorded before ``event`` (this process's own
     copies: a late event is this party's failure, a :class:`StreamTimeout`)."""
+    _poll(event.query, deadline, StreamTimeout, on_timeout, NO_SPIN, precise=False)
+
+
+def _poll(
+    done: Callable[[], bool],
+    deadline: float,
+    late: type[Exception],
+    on_timeout: str,
+    spin: tuple[float, float],
+    precise: bool,
+) -> None:
+    """Look at ``done`` without sleeping for the first
+    :data:`~weightsync.mechanisms.pace.FIRST_SPIN_S` and inside ``spin``, in short sleeps
+    otherwise (with ``precise``, sleeps that end on time); past ``deadline`` raise
+    ``late(on_timeout)``."""
     began = time.monotonic()
+    sleeping = False
     delay = 10e-6
-    while not event.query():
-        now = time.monotonic()
-        if now - began < FIRST_SPIN_S:
-            continue
-        if now > deadline:
-            raise StreamTimeout(on_timeout)
-        time.sleep(delay)
-        delay = min(delay * 2, 20e-6)
+    with contextlib.ExitStack() as slack:
+        while not done():
+            now = time.monotonic()
+            if now - began < FIRST_SPIN_S:
+                continue
+            if not sleeping:
+                sleeping = True
+                if precise:
+                    slack.enter_context(precise_sleeps())
+            if now > deadline:
+                raise late(on_timeout)
+            if spinning(spin, now):
+                continue
+            time.sleep(delay)
+            delay = min(delay * 2, 20e-6)
