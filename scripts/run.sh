@@ -149,14 +149,16 @@ fi
 # pytest as given. Each line of dots ends with [done/total], so what remains is visible.
 # Without a GPU the suite runs in two pytest processes, each test file whole in one of them
 # (each process its own Ray cluster): one process leaves a core idle while actors start and
-# tests wait on deadlines. With a GPU, in one process: its cuda tests share the one device.
+# tests wait on deadlines; a third is slower still (two keep both cores busy, about a third
+# of it actors starting, each importing torch). With a GPU, in one process: its
+# cuda tests share the one device.
 if [ "$#" = 0 ]; then
   if [ "$has_gpu" = 1 ]; then
     set -- tests
   else
     set -- -n 2 --dist loadfile tests
   fi
-  echo "test: the whole suite (15 to 18 minutes on 2 cores); each line ends with [done/total]" >&2
+  echo "test: the whole suite (15 to 20 minutes on 2 cores); each line ends with [done/total]" >&2
 fi
 set +e
 "$py" -m pytest -q -o console_output_style=count "$@"
