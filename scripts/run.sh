@@ -150,8 +150,8 @@ fi
 # Without a GPU the suite runs in two pytest processes, each test file whole in one of them
 # (each process its own Ray cluster): one process leaves a core idle while actors start and
 # tests wait on deadlines; a third is slower still (two keep both cores busy, about a third
-# of it actors starting, each importing torch). With a GPU, in one process: its
-# cuda tests share the one device.
+# of it actors starting, each importing torch). With a GPU, in one process: its cuda tests
+# share the one device.
 if [ "$#" = 0 ]; then
   if [ "$has_gpu" = 1 ]; then
     set -- tests
