@@ -158,7 +158,7 @@ if [ "$#" = 0 ]; then
   else
     set -- -n 2 --dist loadfile tests
   fi
-  echo "test: the whole suite (15 to 20 minutes on 2 cores); each line ends with [done/total]" >&2
+  echo "test: the whole suite (15 to 22 minutes on 2 cores); each line ends with [done/total]" >&2
 fi
 set +e
 "$py" -m pytest -q -o console_output_style=count "$@"
