@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def ray_session() -> Iterator[None]:
     import ray
 
-    from weightsync.tools.cluster import inherited_by_ray
+    from weightsync.tools.cluster import WORKER_NICENESS, inherited_by_ray
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     # The actors' environment is the cluster's own, inherited when it starts (this checkout on
@@ -47,7 +47,14 @@ def ray_session() -> Iterator[None]:
     # envs up. This process keeps its own PYTHONPATH: the commands the tests run see what a
     # user's shell gives them.
     with inherited_by_ray({"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}):
-        ray.init(address="local", num_cpus=8, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=8,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"worker_niceness": WORKER_NICENESS},
+        )
     yield
     ray.shutdown()
 

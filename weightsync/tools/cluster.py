@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from weightsync.core.wire.errors import SettingsError
+from weightsync.tools.head import WORKER_NICENESS
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: weightsync/tools/cluster.py
 LOOPBACK = "127.0.0.1"
@@ -64,6 +65,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         "include_dashboard": False,
         "log_to_driver": False,
         "_node_ip_address": LOOPBACK,
+        "_system_config": {"worker_niceness": WORKER_NICENESS},
     }
     if num_cpus is not None:
         kwargs["num_cpus"] = num_cpus

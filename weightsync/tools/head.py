@@ -50,6 +50,13 @@ from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: The niceness of the actors of a cluster this package starts (a head, or the one
+#: :func:`~weightsync.tools.cluster.connect` starts). Ray's default, 15, puts them below
+#: every ordinary process of the machine, the driver included. The trainer and worker
+#: actors are the job, and every wait of a sync has a deadline: beside a build or a CI
+#: runner's other work they would get a few percent of a core, an actor would take a minute
+#: to start, and a sync's parties would miss their deadlines. At 0 they share the machine.
+WORKER_NICENESS = 0
 #: Seconds a start waits for the head's job server to answer (``ray start`` and the
 #: dashboard take their time on a loaded machine).
 START_TIMEOUT_S = 180.0
@@ -336,6 +343,8 @@ def _head_environment(token_path: Path) -> dict[str, str]:
     # checkout has no other node to move work to: `stop` ends it at once, and a lease still
     # held (a job's actor, a worker being started) no longer keeps it alive for 30 s.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    # The jobs' actors at the priority of the machine's other processes (WORKER_NICENESS).
+    env.setdefault("RAY_worker_niceness", str(WORKER_NICENESS))
     return env
 
 
