@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.listeners import is_loopback, listening
-from weightsync.tools.head import HeadInfo, read_info, stop_head
+from weightsync.tools.head import WORKER_NICENESS, HeadInfo, read_info, stop_head
 from weightsync.tools.jobs import JobServer
 from weightsync.tools.private_files import write_file
 
@@ -109,6 +109,29 @@ def test_demo_submitted_as_a_job_succeeds_and_every_worker_is_bit_exact(head: He
     assert f"demo passed: {steps} syncs to 2 worker(s)" in log
     assert log.count("  bit-exact\n") == steps
     assert "ray: joined" in log  # the job joined this head instead of starting a cluster
+
+
+NICENESS = """
+import os, ray
+ray.init()
+@ray.remote(num_cpus=0)
+def niceness() -> int:
+    return os.nice(0)
+print("NICE", ray.get(niceness.remote(), timeout=120), os.nice(0))
+"""
+
+
+def test_a_jobs_actors_run_at_the_priority_of_the_machines_other_processes(head: HeadInfo) -> None:
+    """Not Ray's niceness 15, which would starve them beside any busy process."""
+    proc = run(
+        PY, "-m", "weightsync", "cluster", "submit", "--dir", head.directory, "--timeout", "300",
+        "--", "python", "-c", NICENESS,
+        env=clean_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("NICE "))
+    actor, driver = (int(n) for n in line.split()[1:])
+    assert actor == os.nice(0) + WORKER_NICENESS and driver == os.nice(0), line
 
 
 def test_a_job_with_a_bad_transport_ends_failed_with_the_error_in_its_log(head: HeadInfo) -> None:

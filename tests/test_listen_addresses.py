@@ -26,6 +26,7 @@ from weightsync.core.plugin import Request
 from weightsync.core.wire.errors import TransferError
 from weightsync.core.wire.messages import EndpointInfo
 from weightsync.mechanisms.gloo import open_store
+from weightsync.tools.head import WORKER_NICENESS
 from weightsync.transports.broadcast.messages import GroupSpec
 from weightsync.transports.broadcast.plugin import open_broadcast
 
@@ -124,21 +125,22 @@ from weightsync.tools.cluster import connect
 how = connect(num_cpus=1)
 
 @ray.remote
-def package() -> str:
+def package() -> tuple[str, int]:
     import weightsync
-    return weightsync.__file__
+    return weightsync.__file__, os.nice(0)
 
 try:
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
     found = listening(descendants(os.getpid()))
-    where = ray.get(package.remote(), timeout=120)
-    print("RESULT " + json.dumps({"how": how, "nodes": nodes, "listening": found, "package": where}))
+    where, nice = ray.get(package.remote(), timeout=120)
+    result = {"how": how, "nodes": nodes, "listening": found, "package": where, "nice": nice, "driver": os.nice(0)}
+    print("RESULT " + json.dumps(result))
 finally:
     ray.shutdown()
 """
 
 
-def test_the_embedded_cluster_is_on_loopback_only_and_its_workers_import_this_checkout() -> None:
+def test_the_embedded_cluster_is_on_loopback_and_its_workers_run_this_checkout_at_the_drivers_priority() -> None:
     # No PYTHONPATH and another working directory (Ray hands the driver's to its workers):
     # connect() itself must give the workers this checkout.
     drop = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR", "PYTHONPATH")
@@ -165,3 +167,5 @@ def test_the_embedded_cluster_is_on_loopback_only_and_its_workers_import_this_ch
     wide = [(address, port) for address, port in result["listening"] if not is_loopback(address)]
     assert not wide, f"the embedded cluster listens beyond loopback: {wide}"
     assert result["package"] == str(ROOT / "weightsync" / "__init__.py"), result["package"]
+    # Not Ray's 15 above the driver: a busy machine would starve the actors past every deadline.
+    assert result["nice"] == result["driver"] + WORKER_NICENESS, result
