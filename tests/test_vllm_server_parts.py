@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("cloudpickle", reason="cloudpickle comes with vLLM (the vllm extra)")
 
 from weightsync import SettingsError, WeightSyncError
+from weightsync.mechanisms.ports import free_port
 from weightsync.vllm.client import ServerCallError, ServerClient
-from weightsync.vllm.local_server import free_port
 from weightsync.vllm.remote import RemoteLink, ServerInit, new_session, seal_call, seal_init
 from weightsync.vllm.replies import ReplyListener, send_frame
 from weightsync.vllm.sealing import KEY_FILE_ENV, SealError, read_key, seal, unseal

@@ -21,7 +21,6 @@ group (``TrainerActor.remote(factory, rank=spec)`` sets the usual ``MASTER_ADDR`
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +35,7 @@ from weightsync.core.wire.messages import EndpointInfo, SourceLayout, SyncCall
 from weightsync.core.wire.outcome import Outcome, failed
 from weightsync.core.wire.session import TRAINER_PARTY
 from weightsync.glue.protocol import check_party
+from weightsync.mechanisms.ports import free_port
 
 RANK_PREFIX = "trainer-rank-"
 
@@ -75,11 +75,11 @@ class RankSpec:
 
     @classmethod
     def group(cls, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0) -> list[RankSpec]:
-        """One spec per rank; port 0 picks a free port on this host (for ranks on this node)."""
+        """One spec per rank; port 0 picks a free port on this host (for ranks on this node),
+        outside the range the kernel hands out by itself (:mod:`weightsync.mechanisms.ports`):
+        rank 0 listens on it only once its process started."""
         if master_port == 0:
-            with socket.socket() as s:
-                s.bind((master_addr, 0))
-                master_port = int(s.getsockname()[1])
+            master_port = free_port(master_addr)
         return [cls(r, world_size, master_addr, master_port) for r in range(world_size)]
 
 

@@ -4,7 +4,8 @@ Shared memory and CUDA IPC regions (:mod:`.shm`, :mod:`.cuda_ipc`, :mod:`.region
 control blocks colocated parties meet on (:mod:`.control`), push mode's doorbell and
 mailbox (:mod:`.doorbell`, :mod:`.mailbox`), the gloo and NCCL communicators
 (:mod:`.gloo`, :mod:`.nccl`) and the groups over them that the packed-tensor drop-in uses
-(:mod:`.groups`), CUDA streams (:mod:`.streams`) and the batched copy kernel
-(:mod:`.batched_copy`). They import the wire contract (:mod:`weightsync.core.wire`) and
-nothing else of weightsync: no transport, no endpoint, no Ray.
+(:mod:`.groups`), the ports of listeners that other processes open (:mod:`.ports`), CUDA
+streams (:mod:`.streams`) and the batched copy kernel (:mod:`.batched_copy`). They import
+the wire contract (:mod:`weightsync.core.wire`) and nothing else of weightsync: no
+transport, no endpoint, no Ray.
 """

@@ -39,13 +39,13 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from weightsync.mechanisms.ports import free_ports
 from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
@@ -128,12 +128,6 @@ def _user() -> str:
         return getpass.getuser()
     except (KeyError, OSError):  # KeyError up to Python 3.12, OSError from 3.13
         return f"uid{os.getuid()}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 _DIR_HINT = " (--dir DIR, or WEIGHTSYNC_HEAD_DIR=DIR)"
@@ -241,8 +235,8 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     token_path = directory / "auth_token"
     private_files.write_file(token_path, secrets.token_hex(32).encode())
     temp_dir = directory / "ray"
-    port, dashboard_port = _free_port(), _free_port()
-    command = _ray_start_command(ray_cli, port, dashboard_port, temp_dir, num_cpus)
+    port, dashboard_port, *more = free_ports(2 + len(_MORE_PORTS))
+    command = _ray_start_command(ray_cli, [port, dashboard_port, *more], temp_dir, num_cpus)
     log_path = directory / "head.log"
     log = private_files.create_file(log_path)
     try:
@@ -297,10 +291,20 @@ def _ray_cli_to_start(directory: Path) -> Path:
     return ray_cli
 
 
-def _ray_start_command(
-    ray_cli: Path, port: int, dashboard_port: int, temp_dir: Path, num_cpus: int | None
-) -> list[str]:
-    """``ray start --head`` with everything on 127.0.0.1 and a free port for each listener."""
+#: The listeners of a head beyond the GCS and the dashboard, each given a port of its own.
+_MORE_PORTS = (
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+)
+
+
+def _ray_start_command(ray_cli: Path, ports: list[int], temp_dir: Path, num_cpus: int | None) -> list[str]:
+    """``ray start --head`` with everything on 127.0.0.1, on ``ports``: the GCS's, the
+    dashboard's, then one for each of :data:`_MORE_PORTS`."""
+    port, dashboard_port, *more = ports
     command = [
         str(ray_cli),
         "start",
@@ -312,11 +316,7 @@ def _ray_start_command(
         f"--port={port}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
+        *(f"--{flag}={p}" for flag, p in zip(_MORE_PORTS, more, strict=True)),
         f"--temp-dir={temp_dir}",
     ]
     if num_cpus is not None:

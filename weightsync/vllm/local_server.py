@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 import psutil
 
 from weightsync import WeightSyncError
+from weightsync.mechanisms.ports import free_port
 from weightsync.vllm.plugin import BACKEND
 from weightsync.vllm.sealing import KEY_FILE_ENV
 from weightsync.vllm.sockets import ENV_VAR as SOCKETS_ENV
@@ -44,13 +44,6 @@ from weightsync.vllm.sockets import ENV_VAR as SOCKETS_ENV
 MODULE = "vllm.entrypoints.openai.api_server"
 #: The server's environment beyond the caller's: its RL routes.
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalServer:
@@ -195,4 +188,4 @@ def _session(sid: int, since: float) -> list[psutil.Process]:
     return found
 
 
-__all__ = ["DEV_MODE", "MODULE", "LocalServer", "free_port"]
+__all__ = ["DEV_MODE", "MODULE", "LocalServer"]
