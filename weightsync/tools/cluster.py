@@ -36,7 +36,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     """Join ``address`` (or ``$RAY_ADDRESS``), else start a local loopback cluster.
 
     Returns what happened, for the caller to print. Workers get this source tree on their
-    ``PYTHONPATH`` so ``python -m weightsync`` works from a checkout without installing.
+    ``PYTHONPATH`` so ``python -m weightsync`` works from a checkout without installing. A
+    cluster started here runs its actors at the driver's niceness, not Ray's 15
+    (:data:`~weightsync.tools.head.WORKER_NICENESS`).
     Actors' output is not copied to this terminal (``log_to_driver=False``): it stays in
     Ray's log files, ``/tmp/ray/session_latest/logs/worker-*.out`` and ``.err`` on each node
     (docs/troubleshooting.md). A job server's ``http://`` address is refused

@@ -5,12 +5,15 @@ environment (so the head's ``python`` is this venv's), with:
 
 * everything on loopback: ``--node-ip-address=127.0.0.1``, the dashboard (the job server)
   on ``127.0.0.1``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and a free port for every
-  listening service, so it never collides with another cluster on the machine;
+  listening service (:mod:`weightsync.mechanisms.ports`), so it never collides with another
+  cluster on the machine;
 * token authentication on: ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` pointing at
   a token generated here the way Ray generates one (``secrets.token_hex(32)``, 256 bits),
   kept in this head's own directory (mode 0600) instead of the per-user
   ``~/.ray/auth_token`` that every other cluster of the same user would share;
-* its own ``--temp-dir`` inside that directory (sessions, logs, sockets).
+* its own ``--temp-dir`` inside that directory (sessions, logs, sockets);
+* the jobs' actors at the niceness of the machine's other processes, not Ray's 15
+  (:data:`WORKER_NICENESS`).
 
 The directory and every file in it are private (:mod:`weightsync.tools.private_files`): made
 fresh with modes 0700/0600, and a directory or file someone else could have made or can read
