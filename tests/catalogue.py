@@ -3,7 +3,8 @@ actor factories, fault injection (freeze, kill, wait until busy) and checks on S
 outcomes. Names from the new public API are looked up on ``weightsync`` when used, so one
 missing name fails only the tests that use it.
 
-Call order of the fault helpers: :func:`frozen` always thaws (SIGCONT) in a ``finally``;
+Call order of the fault helpers: :func:`frozen` enters once every thread of the process has
+stopped (:func:`stop_and_wait`) and always thaws (SIGCONT) in a ``finally``;
 :func:`kill_and_wait` SIGKILLs an actor's process and waits (bounded) until it is gone;
 :func:`wait_busy` polls (bounded) until an actor is inside a sync call.
 """
@@ -132,10 +133,42 @@ def assert_held_is_true(exc: Any, name: str, worker: Any, by_version: dict[int, 
         assert_holds(worker, by_version[version])
 
 
+def stop_and_wait(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until every thread of it has stopped.
+
+    The kernel wakes one thread of the process to begin the stop and stops the others
+    only once that one runs: until then they go on, and on a busy machine that can be
+    long enough for a listener thread to serve a whole sync.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + RAY_TIMEOUT
+    while not _all_stopped(pid):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop on SIGSTOP"
+        time.sleep(0.001)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether no thread of ``pid`` can run: each is stopped, or the process is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                state = fh.read().rsplit(") ", 1)[-1][:1]
+        except FileNotFoundError:
+            continue  # that thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def frozen(pid: int) -> Iterator[None]:
-    """SIGSTOP ``pid`` for the block; always SIGCONT after (a no-op once it is dead)."""
-    os.kill(pid, signal.SIGSTOP)
+    """SIGSTOP ``pid`` for the block, from the moment every thread of it stopped; always
+    SIGCONT after (a no-op once it is dead)."""
+    stop_and_wait(pid)
     try:
         yield
     finally:

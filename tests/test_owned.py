@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 from functools import partial
 from typing import Any
 
@@ -36,6 +37,13 @@ def get(ref: Any) -> Any:
 # --- through Ray, with FSDP2 ranks ----------------------------------------------------------
 
 
+def stop_here() -> None:
+    """Stop this process (SIGSTOP) before the calling thread goes on. Sent to this thread:
+    a stop sent to the process may begin on another of its threads, and this one would run
+    on until that one is scheduled."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
 class _Rank(TrainerHost):
     """A TrainerActor that can be told to die while sending its owned segments."""
 
@@ -51,7 +59,7 @@ class _Rank(TrainerHost):
 
         def hook(index: int) -> None:
             if index == bucket:
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_here()
 
         self._ws().halves["owners"].on_segment = hook  # type: ignore[attr-defined]
 
@@ -60,7 +68,7 @@ class _Rank(TrainerHost):
 
         def hook(name: str) -> None:
             if name == worker:
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_here()
 
         self._ws().halves["owner-writes"].on_write = hook  # type: ignore[attr-defined]
 
@@ -72,7 +80,7 @@ class _Rank(TrainerHost):
             if name == worker:
                 seen.append(index)
                 if len(seen) == copied + 1:
-                    os.kill(os.getpid(), signal.SIGSTOP)
+                    stop_here()
 
         self._ws().halves["owner-writes"].on_copy = hook  # type: ignore[attr-defined]
 

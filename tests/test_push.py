@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from tests.catalogue import kill_and_wait
+from tests.catalogue import kill_and_wait, stop_and_wait
 from tests.helpers import MixedModel, perturb, state_of
 from tests.test_ray_e2e import LoadingMixedModel, assert_workers_match, get
 from weightsync import SettingsError, SetupError, Status, SyncError, WeightReceiver, WeightSender, WeightSync
@@ -115,7 +115,7 @@ def test_a_frozen_listening_worker_is_named_timed_out(actors: Any) -> None:
     pid = get(workers[0].pid.remote())
     with WeightSync(trainer, workers, transport="direct", push=True, timeout_s=3) as ws:
         ws.sync(version=1)
-        os.kill(pid, signal.SIGSTOP)
+        stop_and_wait(pid)
         try:
             with pytest.raises(SyncError) as failure:
                 ws.sync(version=2)

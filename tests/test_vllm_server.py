@@ -33,6 +33,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/run.sh t
 
 from examples.hf_transformers import sgd_step
 from tests import vllm_model as vm
+from tests.catalogue import stop_and_wait
 from tests.conftest import RAY_TIMEOUT
 from weightsync import Status, TrainerActor, WeightSync
 from weightsync.core.wire.errors import SetupError, SyncError
@@ -252,7 +253,7 @@ def test_a_server_that_stops_answering_mid_sync_is_named(
     ws, sync, failure = sync_in_flight(server, worker, trainer, tmp_path / "gate", timeout_s=5)
     frozen = server.processes()
     for process in frozen:
-        process.suspend()
+        stop_and_wait(process.pid)
     try:
         (tmp_path / "gate").touch()
         sync.join(timeout=RAY_TIMEOUT)
