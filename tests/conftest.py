@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def ray_session() -> Iterator[None]:
     import ray
 
-    from weightsync.tools.cluster import WORKER_NICENESS, inherited_by_ray
+    from weightsync.tools.cluster import inherited_by_ray
+    from weightsync.tools.head import WORKER_NICENESS
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     # The actors' environment is the cluster's own, inherited when it starts (this checkout on

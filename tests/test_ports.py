@@ -3,6 +3,7 @@ distinct, and never one that something holds."""
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -61,3 +62,10 @@ def test_a_rank_group_meets_on_a_drawn_port() -> None:
     specs = RankSpec.group(3)
     assert len({s.master_port for s in specs}) == 1 and specs[0].master_port in ports.drawn_range()
     assert [s.rank for s in specs] == [0, 1, 2]
+
+
+def test_a_program_that_seeds_random_still_draws_other_ports_each_time() -> None:
+    random.seed(7)
+    first = ports.free_ports(3)
+    random.seed(7)
+    assert ports.free_ports(3) != first  # two such processes would otherwise collide

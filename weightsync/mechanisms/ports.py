@@ -24,6 +24,9 @@ _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: common services are configured on.
 LOWEST = 20000
 _TRIES = 200
+#: Not the module-level generator: a program that seeds it (an RL loop usually does) would
+#: draw the same ports in every process it starts.
+_DRAW = random.SystemRandom()
 
 
 def drawn_range() -> range:
@@ -47,7 +50,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         for _ in range(_TRIES if candidates else 0):
             if len(ports) == count:
                 break
-            port = random.choice(candidates)
+            port = _DRAW.choice(candidates)
             sock = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
             try:
                 sock.bind((host, port))

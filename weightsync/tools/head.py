@@ -238,8 +238,9 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     token_path = directory / "auth_token"
     private_files.write_file(token_path, secrets.token_hex(32).encode())
     temp_dir = directory / "ray"
-    port, dashboard_port, *more = free_ports(2 + len(_MORE_PORTS))
-    command = _ray_start_command(ray_cli, [port, dashboard_port, *more], temp_dir, num_cpus)
+    ports = free_ports(2 + len(_MORE_PORTS))
+    port, dashboard_port = ports[:2]
+    command = _ray_start_command(ray_cli, ports, temp_dir, num_cpus)
     log_path = directory / "head.log"
     log = private_files.create_file(log_path)
     try:
