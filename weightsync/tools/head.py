@@ -53,12 +53,9 @@ from weightsync.tools import private_files
 from weightsync.tools.jobs import JobServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-#: The niceness of the actors of a cluster this package starts (a head, or the one
-#: :func:`~weightsync.tools.cluster.connect` starts). Ray's default, 15, puts them below
-#: every ordinary process of the machine, the driver included. The trainer and worker
-#: actors are the job, and every wait of a sync has a deadline: beside a build or a CI
-#: runner's other work they would get a few percent of a core, an actor would take a minute
-#: to start, and a sync's parties would miss their deadlines. At 0 they share the machine.
+#: The niceness of the actors of a cluster this package starts (a head, or connect()'s),
+#: relative to the driver. Ray's 15 starves them beside any busy process, past every
+#: deadline of a sync (docs/troubleshooting.md, "Ray, networking, containers").
 WORKER_NICENESS = 0
 #: Seconds a start waits for the head's job server to answer (``ray start`` and the
 #: dashboard take their time on a loaded machine).
@@ -238,8 +235,7 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     token_path = directory / "auth_token"
     private_files.write_file(token_path, secrets.token_hex(32).encode())
     temp_dir = directory / "ray"
-    ports = free_ports(2 + len(_MORE_PORTS))
-    port, dashboard_port = ports[:2]
+    ports = free_ports(2 + len(_MORE_PORTS))  # the GCS's, the dashboard's, then _MORE_PORTS
     command = _ray_start_command(ray_cli, ports, temp_dir, num_cpus)
     log_path = directory / "head.log"
     log = private_files.create_file(log_path)
@@ -257,8 +253,8 @@ def start_head(directory: Path, num_cpus: int | None = None, timeout_s: float = 
     info = HeadInfo(
         directory=str(directory),
         pid=proc.pid,
-        gcs_address=f"127.0.0.1:{port}",
-        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        gcs_address=f"127.0.0.1:{ports[0]}",
+        dashboard_url=f"http://127.0.0.1:{ports[1]}",
         token_path=str(token_path),
         temp_dir=str(temp_dir),
         start_time=process_start_time(proc.pid) or 0,
