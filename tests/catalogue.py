@@ -141,10 +141,7 @@ def stop_and_wait(pid: int) -> None:
     long enough for a listener thread to serve a whole sync.
     """
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + RAY_TIMEOUT
-    while not _all_stopped(pid):
-        assert time.monotonic() < deadline, f"pid {pid} did not stop on SIGSTOP"
-        time.sleep(0.001)
+    _until(lambda: _all_stopped(pid), f"pid {pid} did not stop on SIGSTOP", every=0.001)
 
 
 def _all_stopped(pid: int) -> bool:
@@ -153,15 +150,24 @@ def _all_stopped(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return True
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as fh:
-                state = fh.read().rsplit(") ", 1)[-1][:1]
-        except FileNotFoundError:
-            continue  # that thread ended
-        if state not in ("T", "t", "Z", "X"):
-            return False
-    return True
+    states = (_state(f"/proc/{pid}/task/{task}/stat") for task in tasks)
+    return all(state in (None, "T", "t", "Z", "X") for state in states)  # None: the thread ended
+
+
+def _state(stat: str) -> str | None:
+    """The state letter in the ``stat`` file of a process or thread; None once it is gone."""
+    try:
+        with open(stat) as fh:
+            return fh.read().rsplit(") ", 1)[-1][:1]
+    except FileNotFoundError:
+        return None
+
+
+def _until(done: Callable[[], bool], failure: str, every: float) -> None:
+    deadline = time.monotonic() + RAY_TIMEOUT
+    while not done():
+        assert time.monotonic() < deadline, failure
+        time.sleep(every)
 
 
 @contextlib.contextmanager
@@ -182,18 +188,13 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     # A killed child of the raylet may linger as a zombie until it is reaped.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(") ")[-1].startswith("Z")
-    return False
+    return _state(f"/proc/{pid}/stat") in (None, "Z")
 
 
 def kill_and_wait(pid: int) -> None:
     """SIGKILL an actor's process (as the OOM killer would) and wait until it is gone."""
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + RAY_TIMEOUT
-    while not _gone(pid):
-        assert time.monotonic() < deadline, f"pid {pid} survived SIGKILL"
-        time.sleep(0.01)
+    _until(lambda: _gone(pid), f"pid {pid} survived SIGKILL", every=0.01)
 
 
 def wait_busy(handle: Any, bound: float = 15.0) -> bool:
